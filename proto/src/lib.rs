@@ -1,0 +1,17 @@
+//! `splitproxy.v1`: the brain/actuator protocol and the ruleset IR, generated from `proto/`,
+//! plus what both sides must agree on byte for byte (the ruleset digest) and the nft-syntax
+//! rendering used by logs, introspection and golden tests.
+#![forbid(unsafe_code)]
+
+pub mod digest;
+pub mod render;
+
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("splitproxy.v1");
+}
+
+/// Encoded `FileDescriptorSet` of splitproxy.v1, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("splitproxy_descriptor");
+
+pub use v1::*;
