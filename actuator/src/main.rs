@@ -1,1 +1,8 @@
-fn main() {}
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = splitproxy_actuator::config::Args::parse();
+    splitproxy_actuator::init_logging(&args.log_format);
+    splitproxy_actuator::run::run(args).await
+}

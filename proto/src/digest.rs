@@ -8,7 +8,9 @@ use crate::v1::{Element, Ruleset};
 
 /// Sorts a ruleset into its canonical order in place.
 pub fn canonicalize(ruleset: &mut Ruleset) {
-    ruleset.tables.sort_by(|a, b| (a.family, &a.name).cmp(&(b.family, &b.name)));
+    ruleset
+        .tables
+        .sort_by(|a, b| (a.family, &a.name).cmp(&(b.family, &b.name)));
     for table in &mut ruleset.tables {
         table.chains.sort_by(|a, b| a.name.cmp(&b.name));
         table.sets.sort_by(|a, b| a.name.cmp(&b.name));

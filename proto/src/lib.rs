@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod digest;
+pub mod model;
 pub mod render;
 
 #[allow(clippy::all, missing_docs)]

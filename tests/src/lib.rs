@@ -1,1 +1,42 @@
+//! Shared test harness for splitproxy.
+//!
+//! The design handbook asks for real components instead of mocks: a real etcd and
+//! kube-apiserver, real network namespaces with veths and routes, and real packets. This crate
+//! gives every test the same building blocks so that each end-to-end test only describes its
+//! scenario:
+//!
+//! - [`tools`] finds the pinned third-party binaries (building them on demand),
+//! - [`controlplane`] runs etcd and kube-apiserver on loopback with throwaway state,
+//! - [`netns`] creates network namespaces and runs code or processes inside them,
+//! - [`topology`] wires namespaces into a small cluster network (fabric, nodes, pods, clients),
+//! - [`podserver`] runs the "who answered and whom did it see" server inside a pod,
+//! - [`probe`] sends one TCP or UDP request from a namespace and classifies the outcome,
+//! - [`certs`] issues the CA, server and client certificates for mTLS and the API server,
+//! - [`portfwd`] lets processes inside a namespace reach listeners on host loopback,
+//! - [`process`] keeps spawned processes from outliving the test and offers wait helpers.
+//!
+//! Safety: everything that touches interfaces, routes, sysctls or nftables happens inside
+//! namespaces created here (`ip -n <ns> ...` or a thread that has entered the namespace), and
+//! every namespace is deleted when its owner is dropped, also while a test panics.
 
+#![forbid(unsafe_code)]
+
+pub mod certs;
+pub mod controlplane;
+pub mod netns;
+pub mod podserver;
+pub mod portfwd;
+pub mod probe;
+pub mod process;
+pub mod tools;
+pub mod topology;
+
+pub use controlplane::{ControlPlane, ControlPlaneOptions};
+pub use netns::Netns;
+pub use podserver::PodServer;
+pub use portfwd::{Forwarder, forward_port};
+pub use probe::{ProbeResult, Proto, probe, probe_async};
+pub use topology::{Cluster, ClusterSpec, ExternalClient, Node, Pod};
+
+/// The result type used throughout the harness; errors carry their context chain.
+pub type Result<T, E = anyhow::Error> = std::result::Result<T, E>;

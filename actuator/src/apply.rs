@@ -1,0 +1,295 @@
+//! Turns updates into nf_tables transactions. The actuator keeps a model of what it committed,
+//! so a delta becomes exactly the netlink messages for what changed (no table dumps), and a
+//! snapshot is diffed against the model first. Every update is ONE transaction: if the kernel
+//! rejects it, nothing changed and the model stays as it was (invariant 3).
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use splitproxy_proto::digest::element_key_bytes;
+use splitproxy_proto::model::{Model, TableKey, family_name};
+use splitproxy_proto::v1::{Family, RulesetDelta, Update, update::Body};
+
+use crate::nft::{Batch, NftSocket};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("update has no body")]
+    Empty,
+    #[error("refusing to touch table {0} {1}: this actuator owns only tables named {2:?}")]
+    ForeignTable(&'static str, String, String),
+    #[error("delta on generation {base} but generation {applied} is applied")]
+    WrongBase { base: u64, applied: u64 },
+    #[error("encoding: {0}")]
+    Encode(String),
+    #[error("kernel: {0}")]
+    Kernel(String),
+    #[error("digest after applying differs from the brain's")]
+    Digest,
+}
+
+/// What the actuator has applied, as it reports it in `Hello`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Applied {
+    pub brain_epoch: u64,
+    pub generation: u64,
+    pub digest: Vec<u8>,
+}
+
+pub struct Applier {
+    socket: NftSocket,
+    table: String,
+    model: Model,
+    applied: Applied,
+    /// False until the first commit of this process: the kernel may still hold the table a
+    /// previous run left, which the first snapshot replaces atomically (restart without
+    /// disruption, invariant 5).
+    adopted: bool,
+}
+
+impl Applier {
+    pub fn new(socket: NftSocket, table: String) -> Self {
+        Applier {
+            socket,
+            table,
+            model: Model::default(),
+            applied: Applied::default(),
+            adopted: false,
+        }
+    }
+
+    pub fn applied(&self) -> &Applied {
+        &self.applied
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Applies one update in one transaction and returns the time the kernel work took.
+    pub fn apply(&mut self, update: &Update) -> Result<Duration, ApplyError> {
+        let (delta, snapshot) = match update.body.as_ref().ok_or(ApplyError::Empty)? {
+            Body::Snapshot(r) => (self.model.diff(&Model::from_ruleset(r)), true),
+            Body::Delta(d) => {
+                if update.brain_epoch != self.applied.brain_epoch
+                    || update.base_generation != self.applied.generation
+                {
+                    return Err(ApplyError::WrongBase {
+                        base: update.base_generation,
+                        applied: self.applied.generation,
+                    });
+                }
+                (d.clone(), false)
+            }
+        };
+        self.check_ownership(&delta)?;
+        let mut next = self.model.clone();
+        next.apply(&delta);
+        if !update.digest.is_empty() && next.digest() != update.digest {
+            return Err(ApplyError::Digest);
+        }
+        let replace_all = snapshot && !self.adopted;
+        let batch = if replace_all {
+            self.replace_batch(&next)?
+        } else {
+            self.delta_batch(&delta)?
+        };
+        let start = Instant::now();
+        if !batch.is_empty() {
+            self.socket
+                .commit(&batch)
+                .map_err(|e| ApplyError::Kernel(e.to_string()))?;
+        }
+        let took = start.elapsed();
+        self.model = next;
+        self.adopted = true;
+        self.applied = Applied {
+            brain_epoch: update.brain_epoch,
+            generation: update.generation,
+            digest: update.digest.clone(),
+        };
+        Ok(took)
+    }
+
+    fn check_ownership(&self, delta: &RulesetDelta) -> Result<(), ApplyError> {
+        let names = delta
+            .upsert
+            .iter()
+            .map(|t| (t.family, &t.name))
+            .chain(delta.remove.iter().map(|t| (t.family, &t.name)));
+        for (family, name) in names {
+            let family_ok = matches!(Family::try_from(family), Ok(Family::Ip | Family::Ip6));
+            if !family_ok || *name != self.table {
+                return Err(ApplyError::ForeignTable(
+                    family_name(family),
+                    name.clone(),
+                    self.table.clone(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces our tables whole: destroy (absent is fine) and re-create them in one
+    /// transaction, so that packets see either the old table or the new one.
+    fn replace_batch(&self, target: &Model) -> Result<Batch, ApplyError> {
+        let mut b = Batch::new();
+        for family in [Family::Ip, Family::Ip6] {
+            b.destroy_table(family, &self.table);
+        }
+        let delta = Model::default().diff(target);
+        self.encode_delta(&mut b, &Model::default(), &delta)?;
+        Ok(b)
+    }
+
+    fn delta_batch(&self, delta: &RulesetDelta) -> Result<Batch, ApplyError> {
+        let mut b = Batch::new();
+        self.encode_delta(&mut b, &self.model, delta)?;
+        Ok(b)
+    }
+
+    /// The messages that take `base` through `delta`, in an order the kernel accepts: objects
+    /// exist before anything refers to them, and references go before what they point to.
+    fn encode_delta(
+        &self,
+        b: &mut Batch,
+        base: &Model,
+        delta: &RulesetDelta,
+    ) -> Result<(), ApplyError> {
+        let enc = |e: crate::nft::EncodeError| ApplyError::Encode(e.to_string());
+        let fam = |f: i32| Family::try_from(f).unwrap_or(Family::Unspecified);
+        let empty = Default::default();
+        let whole_removed: BTreeSet<TableKey> = delta
+            .remove
+            .iter()
+            .filter(|r| r.whole)
+            .map(|r| (r.family, r.name.clone()))
+            .collect();
+
+        // 1. New tables, chains and sets that do not exist yet.
+        for up in &delta.upsert {
+            let key = (up.family, up.name.clone());
+            let old = base.tables.get(&key).unwrap_or(&empty);
+            let removed_sets: BTreeSet<&String> = delta
+                .remove
+                .iter()
+                .filter(|r| (r.family, &r.name) == (up.family, &up.name))
+                .flat_map(|r| r.sets.iter())
+                .collect();
+            if !base.tables.contains_key(&key) {
+                b.add_table(fam(up.family), &up.name, &up.comment);
+            }
+            for c in up
+                .chains
+                .iter()
+                .filter(|c| !old.chains.contains_key(&c.name))
+            {
+                b.add_chain(fam(up.family), &up.name, c);
+            }
+            for s in up
+                .sets
+                .iter()
+                .filter(|s| !old.sets.contains_key(&s.name) && !removed_sets.contains(&s.name))
+            {
+                b.add_set(fam(up.family), &up.name, s).map_err(enc)?;
+            }
+        }
+        // 2. Elements that go away, and elements whose value changes (the kernel refuses to
+        //    overwrite a map element's value in place).
+        for rm in delta.remove.iter().filter(|r| !r.whole) {
+            let Some(old) = base.tables.get(&(rm.family, rm.name.clone())) else {
+                continue;
+            };
+            for se in &rm.elements {
+                if let Some(sm) = old.sets.get(&se.set) {
+                    b.del_elements(fam(rm.family), &rm.name, &sm.def, &se.elements)
+                        .map_err(enc)?;
+                }
+            }
+        }
+        for up in &delta.upsert {
+            let Some(old) = base.tables.get(&(up.family, up.name.clone())) else {
+                continue;
+            };
+            for s in &up.sets {
+                let Some(sm) = old
+                    .sets
+                    .get(&s.name)
+                    .filter(|sm| sm.def.key == s.key && sm.def.data == s.data)
+                else {
+                    continue;
+                };
+                let changed: Vec<_> = s
+                    .elements
+                    .iter()
+                    .filter(|e| {
+                        sm.elements
+                            .get(&element_key_bytes(e))
+                            .is_some_and(|old| old != *e)
+                    })
+                    .cloned()
+                    .collect();
+                if !changed.is_empty() {
+                    b.del_elements(fam(up.family), &up.name, &sm.def, &changed)
+                        .map_err(enc)?;
+                }
+            }
+        }
+        // 3. Rules of chains that are replaced or removed.
+        for up in &delta.upsert {
+            if let Some(old) = base.tables.get(&(up.family, up.name.clone())) {
+                for c in up
+                    .chains
+                    .iter()
+                    .filter(|c| old.chains.contains_key(&c.name))
+                {
+                    b.flush_chain(fam(up.family), &up.name, &c.name);
+                }
+            }
+        }
+        for rm in delta.remove.iter().filter(|r| !r.whole) {
+            for c in &rm.chains {
+                b.flush_chain(fam(rm.family), &rm.name, c);
+            }
+        }
+        // 4. Sets that go away (their users were flushed above); re-created ones come back.
+        for rm in delta.remove.iter().filter(|r| !r.whole) {
+            for s in &rm.sets {
+                b.del_set(fam(rm.family), &rm.name, s);
+            }
+            for up in delta
+                .upsert
+                .iter()
+                .filter(|u| (u.family, &u.name) == (rm.family, &rm.name))
+            {
+                for s in up.sets.iter().filter(|s| rm.sets.contains(&s.name)) {
+                    b.add_set(fam(up.family), &up.name, s).map_err(enc)?;
+                }
+            }
+        }
+        // 5. New elements, then rules (which may refer to sets and chains).
+        for up in &delta.upsert {
+            for s in up.sets.iter().filter(|s| !s.elements.is_empty()) {
+                b.add_elements(fam(up.family), &up.name, s, &s.elements)
+                    .map_err(enc)?;
+            }
+        }
+        for up in &delta.upsert {
+            for c in &up.chains {
+                for r in &c.rules {
+                    b.add_rule(fam(up.family), &up.name, &c.name, r)
+                        .map_err(enc)?;
+                }
+            }
+        }
+        // 6. Chains and tables that go away.
+        for rm in delta.remove.iter().filter(|r| !r.whole) {
+            for c in &rm.chains {
+                b.del_chain(fam(rm.family), &rm.name, c);
+            }
+        }
+        for (family, name) in &whole_removed {
+            b.del_table(fam(*family), name);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,168 @@
+//! The actuator's stream to a brain: connect over mTLS to one of several brains, say what is
+//! applied, apply every update and answer it. When the stream breaks, back off and try the next
+//! brain; the kernel keeps the last applied rules meanwhile (fail static, invariant 1).
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use splitproxy_proto::v1::dataplane_client::DataplaneClient;
+use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, Update, sync_request};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use crate::apply::Applier;
+use crate::health::Health;
+
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+pub struct ClientConfig {
+    pub brains: Vec<String>,
+    pub server_name: Option<String>,
+    pub node: String,
+    pub ca_pem: Vec<u8>,
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+/// Runs forever: one stream at a time, reconnecting with exponential backoff and jitter.
+pub async fn run(config: ClientConfig, applier: Arc<Mutex<Applier>>, health: Arc<Health>) {
+    let mut backoff = BACKOFF_MIN;
+    let mut attempt = 0usize;
+    loop {
+        let brain = &config.brains[attempt % config.brains.len()];
+        attempt += 1;
+        let started = std::time::Instant::now();
+        match stream_once(&config, brain, &applier, &health).await {
+            Ok(()) => tracing::info!(%brain, "brain closed the stream"),
+            Err(e) => tracing::warn!(%brain, error = format!("{e:#}"), "stream to brain failed"),
+        }
+        health.metrics.set_connected(false);
+        if started.elapsed() > Duration::from_secs(30) {
+            backoff = BACKOFF_MIN; // the stream was healthy for a while: start over
+        }
+        let jitter = rand::random_range(0.0..0.5) * backoff.as_secs_f64();
+        tokio::time::sleep(backoff + Duration::from_secs_f64(jitter)).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+async fn connect(config: &ClientConfig, brain: &str) -> anyhow::Result<Channel> {
+    let uri: tonic::transport::Uri = brain
+        .parse()
+        .with_context(|| format!("brain address {brain:?}"))?;
+    let domain = config
+        .server_name
+        .clone()
+        .or_else(|| uri.host().map(|h| h.trim_matches(['[', ']']).to_string()))
+        .unwrap_or_default();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&config.ca_pem))
+        .identity(Identity::from_pem(&config.cert_pem, &config.key_pem))
+        .domain_name(domain);
+    Ok(Channel::builder(uri)
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .connect()
+        .await?)
+}
+
+async fn stream_once(
+    config: &ClientConfig,
+    brain: &str,
+    applier: &Arc<Mutex<Applier>>,
+    health: &Arc<Health>,
+) -> anyhow::Result<()> {
+    let channel = connect(config, brain).await?;
+    let mut client = DataplaneClient::new(channel).max_decoding_message_size(1 << 30);
+    let applied = applier
+        .lock()
+        .map_err(|_| anyhow::anyhow!("applier poisoned"))?
+        .applied()
+        .clone();
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(SyncRequest {
+        msg: Some(sync_request::Msg::Hello(Hello {
+            node: config.node.clone(),
+            applied: Some(v1::Applied {
+                brain_epoch: applied.brain_epoch,
+                generation: applied.generation,
+                digest: applied.digest,
+            }),
+            version: env!("CARGO_PKG_VERSION").into(),
+        })),
+    })
+    .await?;
+    let mut updates = client.sync(ReceiverStream::new(rx)).await?.into_inner();
+    tracing::info!(%brain, node = %config.node, "stream open");
+    health.metrics.set_connected(true);
+    while let Some(update) = updates.next().await {
+        let update = update?;
+        let ack = apply(update, applier, health).await;
+        tx.send(SyncRequest {
+            msg: Some(sync_request::Msg::Ack(ack)),
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+/// Applies one update off the async runtime (netlink is blocking) and builds its answer.
+async fn apply(update: Update, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) -> Ack {
+    let generation = update.generation;
+    let snapshot = update.base_generation == 0;
+    let applier = applier.clone();
+    let (update, result) = tokio::task::spawn_blocking(move || {
+        let result = match applier.lock() {
+            Ok(mut a) => a
+                .apply(&update)
+                .map(|took| (took, a.model().element_count())),
+            Err(_) => Err(crate::apply::ApplyError::Kernel("applier poisoned".into())),
+        };
+        (update, result)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        (
+            Update::default(),
+            Err(crate::apply::ApplyError::Kernel(e.to_string())),
+        )
+    });
+    match result {
+        Ok((took, elements)) => {
+            health.metrics.applied(generation, took, snapshot, elements);
+            health
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            let now = SystemTime::now();
+            for t in &update.trigger_times {
+                let at = SystemTime::UNIX_EPOCH
+                    + Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
+                if let Ok(latency) = now.duration_since(at) {
+                    health.metrics.network_programming(latency);
+                }
+            }
+            tracing::info!(generation, snapshot, ?took, objects = ?update.objects, "applied update");
+            Ack {
+                generation,
+                ok: true,
+                error: String::new(),
+                apply_duration: took.try_into().ok(),
+            }
+        }
+        Err(e) => {
+            health.metrics.apply_failed();
+            tracing::error!(generation, snapshot, error = %e, "update failed; previous rules stay in place");
+            Ack {
+                generation,
+                ok: false,
+                error: e.to_string(),
+                apply_duration: None,
+            }
+        }
+    }
+}

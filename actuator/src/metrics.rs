@@ -1,0 +1,199 @@
+//! The actuator's Prometheus metrics, under kube-proxy's names where the meaning is the same so
+//! that existing dashboards keep working.
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+/// Buckets of kube-proxy's sync and network-programming histograms (seconds).
+const SYNC_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096,
+    8.192, 16.384,
+];
+const NPL_BUCKETS: &[f64] = &[
+    0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    20.0, 25.0, 30.0, 45.0, 60.0, 120.0, 300.0,
+];
+
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    buckets: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(buckets: &'static [f64]) -> Self {
+        Histogram {
+            buckets,
+            counts: vec![0; buckets.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        for (i, b) in self.buckets.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.buckets.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Inner {
+    sync: Histogram,
+    npl: Histogram,
+    last_sync: Option<SystemTime>,
+    applied_generation: u64,
+    apply_errors: u64,
+    snapshots: u64,
+    deltas: u64,
+    connected: bool,
+    elements: u64,
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            inner: Mutex::new(Inner {
+                sync: Histogram::new(SYNC_BUCKETS),
+                npl: Histogram::new(NPL_BUCKETS),
+                last_sync: None,
+                applied_generation: 0,
+                apply_errors: 0,
+                snapshots: 0,
+                deltas: 0,
+                connected: false,
+                elements: 0,
+            }),
+        }
+    }
+}
+
+impl Metrics {
+    fn with(&self, f: impl FnOnce(&mut Inner)) {
+        if let Ok(mut i) = self.inner.lock() {
+            f(&mut i)
+        }
+    }
+
+    pub fn applied(&self, generation: u64, took: Duration, snapshot: bool, elements: usize) {
+        self.with(|i| {
+            i.sync.observe(took.as_secs_f64());
+            i.last_sync = Some(SystemTime::now());
+            i.applied_generation = generation;
+            i.elements = elements as u64;
+            if snapshot {
+                i.snapshots += 1
+            } else {
+                i.deltas += 1
+            }
+        })
+    }
+
+    pub fn apply_failed(&self) {
+        self.with(|i| i.apply_errors += 1)
+    }
+
+    pub fn network_programming(&self, latency: Duration) {
+        self.with(|i| i.npl.observe(latency.as_secs_f64()))
+    }
+
+    pub fn set_connected(&self, c: bool) {
+        self.with(|i| i.connected = c)
+    }
+
+    pub fn render(&self) -> String {
+        let Ok(i) = self.inner.lock().map(|i| i.clone()) else {
+            return String::new();
+        };
+        let mut out = String::new();
+        i.sync.render(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "Time the actuator took to apply one update to the kernel (one nf_tables transaction).",
+        );
+        i.npl.render(
+            &mut out,
+            "kubeproxy_network_programming_duration_seconds",
+            "From an endpoint or Service change to its rules being applied on this node.",
+        );
+        let last = i
+            .last_sync
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let gauges = [
+            (
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "gauge",
+                "When the last update was applied.",
+                last,
+            ),
+            (
+                "splitproxy_actuator_applied_generation",
+                "gauge",
+                "Generation of the last applied update.",
+                i.applied_generation as f64,
+            ),
+            (
+                "splitproxy_actuator_apply_errors_total",
+                "counter",
+                "Updates the kernel rejected.",
+                i.apply_errors as f64,
+            ),
+            (
+                "splitproxy_actuator_snapshots_applied_total",
+                "counter",
+                "Snapshot updates applied.",
+                i.snapshots as f64,
+            ),
+            (
+                "splitproxy_actuator_deltas_applied_total",
+                "counter",
+                "Delta updates applied.",
+                i.deltas as f64,
+            ),
+            (
+                "splitproxy_actuator_connected",
+                "gauge",
+                "1 while a brain stream is open.",
+                i.connected as u8 as f64,
+            ),
+            (
+                "splitproxy_actuator_set_elements",
+                "gauge",
+                "Set and map elements in the applied model.",
+                i.elements as f64,
+            ),
+        ];
+        for (name, kind, help, v) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,345 @@
+//! Set elements: the entries of NFT_MSG_NEWSETELEM / NFT_MSG_DELSETELEM messages.
+//!
+//! An element is `NFTA_LIST_ELEM { KEY { VALUE }, [KEY_END], [DATA], [TIMEOUT], [USERDATA] }`.
+//! Ranges of a single field are stored by the kernel's rbtree as two entries, the start and
+//! the first value after the range flagged NFT_SET_ELEM_INTERVAL_END (omitted when the range
+//! runs to the largest value); concatenated ranges carry their inclusive end in KEY_END.
+
+use splitproxy_proto::v1::Element;
+
+use super::check;
+use super::consts::*;
+use super::error::EncodeError;
+use super::expr::{put_value, verdict::put_verdict};
+use super::nla::NlaBuf;
+use super::set::{SetData, SetLayout};
+use super::udata::Udata;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Add,
+    /// Only the key (and range end) identify the element; data, timeout and comment are not
+    /// sent, so a caller may pass the element as it was added.
+    Delete,
+}
+
+/// Appends the list entries of `elem` to `b` and returns how many there are (1 or 2).
+/// `key` is scratch space, reused across calls to spare allocations.
+pub(crate) fn encode(
+    b: &mut NlaBuf,
+    layout: &SetLayout,
+    elem: &Element,
+    index: usize,
+    op: Op,
+    key: &mut Vec<u8>,
+) -> Result<usize, EncodeError> {
+    let err = |why: String| EncodeError::element(&layout.name, index, why);
+    key.clear();
+    layout
+        .key
+        .encode(&elem.key, key)
+        .map_err(|why| err(format!("key: {why}")))?;
+    let key_len = key.len();
+    if !elem.key_end.is_empty() {
+        if !layout.interval {
+            return Err(err("key_end in a set without intervals".to_owned()));
+        }
+        layout
+            .key
+            .encode(&elem.key_end, key)
+            .map_err(|why| err(format!("key_end: {why}")))?;
+        // Bytewise order is numeric order only for one big-endian field.
+        let comparable = !layout.key.is_concat() && layout.key.byteorder() == BYTEORDER_BIG_ENDIAN;
+        if comparable && key[key_len..] < key[..key_len] {
+            return Err(err("key_end is before key".to_owned()));
+        }
+    } else if layout.interval {
+        key.extend_from_within(..key_len);
+    }
+    let (start, end) = key.split_at_mut(key_len);
+
+    let entry = b.begin_nest(NFTA_LIST_ELEM);
+    put_value(b, NFTA_SET_ELEM_KEY, start);
+    if layout.concat_interval() {
+        put_value(b, NFTA_SET_ELEM_KEY_END, end);
+    }
+    if op == Op::Add {
+        encode_payload(b, layout, elem).map_err(|why| err(why))?;
+    }
+    b.end_nest(entry);
+
+    // A single-field range also needs its exclusive end, unless it runs to the maximum.
+    if layout.interval && !layout.concat_interval() && layout.key.increment(end) {
+        let entry = b.begin_nest(NFTA_LIST_ELEM);
+        put_value(b, NFTA_SET_ELEM_KEY, end);
+        b.put_u32_be(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
+        b.end_nest(entry);
+        return Ok(2);
+    }
+    Ok(1)
+}
+
+/// Data or verdict, timeout and comment of an added element.
+fn encode_payload(b: &mut NlaBuf, layout: &SetLayout, elem: &Element) -> Result<(), String> {
+    match &layout.data {
+        SetData::None => {
+            if !elem.data.is_empty() || elem.verdict.is_some() {
+                return Err("data or verdict for a plain set".to_owned());
+            }
+        }
+        SetData::Verdict => {
+            if !elem.data.is_empty() {
+                return Err("data for a verdict map".to_owned());
+            }
+            let v = elem
+                .verdict
+                .as_ref()
+                .ok_or("verdict map element without verdict")?;
+            put_verdict(b, NFTA_SET_ELEM_DATA, v).map_err(|e| e.to_string())?;
+        }
+        SetData::Value(fields) => {
+            if elem.verdict.is_some() {
+                return Err("verdict for a data map".to_owned());
+            }
+            let mut data = Vec::with_capacity(fields.byte_len());
+            fields
+                .encode(&elem.data, &mut data)
+                .map_err(|why| format!("data: {why}"))?;
+            put_value(b, NFTA_SET_ELEM_DATA, &data);
+        }
+    }
+    if elem.timeout_ms > 0 {
+        if !layout.timeout {
+            return Err("timeout in a set without timeouts".to_owned());
+        }
+        b.put_u64_be(NFTA_SET_ELEM_TIMEOUT, elem.timeout_ms);
+    }
+    if !elem.comment.is_empty() {
+        check::comment("element", &elem.comment).map_err(|e| e.to_string())?;
+        let udata = Udata::comment(NFTNL_UDATA_SET_ELEM_COMMENT, &elem.comment);
+        b.put(NFTA_SET_ELEM_USERDATA, udata.bytes());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::nft::datum::tests::{int, ip4, port, proto};
+    use crate::nft::expr::verdict::decode_verdict;
+    use crate::nft::nla::{Attr, Attrs};
+    use crate::nft::udata::comment_of;
+    use splitproxy_proto::v1::{DataType, Set, Verdict, VerdictCode};
+
+    /// Rebuilds IR elements from the entries of an elements list, folding interval-end
+    /// entries into the preceding element's `key_end` (inclusive, like the IR).
+    pub(crate) fn decode(layout: &SetLayout, list: &Attr<'_>) -> Vec<Element> {
+        let value = |a: &Attrs<'_>, ty| -> Option<Vec<u8>> {
+            Some(a.find(ty)?.nested().find(NFTA_DATA_VALUE)?.value.to_vec())
+        };
+        let mut out: Vec<Element> = Vec::new();
+        for entry in list.nested() {
+            let a = entry.nested();
+            let key = value(&a, NFTA_SET_ELEM_KEY).unwrap();
+            let flags = a
+                .find(NFTA_SET_ELEM_FLAGS)
+                .and_then(|f| f.u32_be())
+                .unwrap_or(0);
+            if flags & NFT_SET_ELEM_INTERVAL_END != 0 {
+                let prev = out.last_mut().unwrap();
+                let mut end = key.clone();
+                // Undo the +1 of the exclusive end.
+                for byte in end.iter_mut().rev() {
+                    let (v, borrow) = byte.overflowing_sub(1);
+                    *byte = v;
+                    if !borrow {
+                        break;
+                    }
+                }
+                prev.key_end = layout.key.decode(&end);
+                continue;
+            }
+            let mut e = Element {
+                key: layout.key.decode(&key),
+                ..Element::default()
+            };
+            if let Some(end) = value(&a, NFTA_SET_ELEM_KEY_END) {
+                e.key_end = layout.key.decode(&end);
+            } else if layout.interval {
+                // A single-field range to the maximum value has no end entry.
+                e.key_end = e.key.clone();
+            }
+            match &layout.data {
+                SetData::None => {}
+                SetData::Verdict => e.verdict = Some(decode_verdict(&a, NFTA_SET_ELEM_DATA)),
+                SetData::Value(f) => e.data = f.decode(&value(&a, NFTA_SET_ELEM_DATA).unwrap()),
+            }
+            e.timeout_ms = a
+                .find(NFTA_SET_ELEM_TIMEOUT)
+                .map(|t| u64::from_be_bytes(t.value.try_into().unwrap()))
+                .unwrap_or(0);
+            e.comment = a
+                .find(NFTA_SET_ELEM_USERDATA)
+                .map(|u| comment_of(u.value, NFTNL_UDATA_SET_ELEM_COMMENT))
+                .unwrap_or_default();
+            out.push(e);
+        }
+        out
+    }
+
+    fn round_trip(set: &Set, elems: &[Element]) -> (usize, Vec<Element>) {
+        let layout = SetLayout::new(set).unwrap();
+        let mut b = NlaBuf::new();
+        let list = b.begin_nest(NFTA_SET_ELEM_LIST_ELEMENTS);
+        let mut entries = 0;
+        let mut scratch = Vec::new();
+        for (i, e) in elems.iter().enumerate() {
+            entries += encode(&mut b, &layout, e, i, Op::Add, &mut scratch).unwrap();
+        }
+        b.end_nest(list);
+        let list = Attrs::new(b.bytes()).next().unwrap();
+        (entries, decode(&layout, &list))
+    }
+
+    fn set(name: &str, key: &[DataType], data: &[DataType]) -> Set {
+        Set {
+            name: name.to_owned(),
+            key: key.iter().map(|t| *t as i32).collect(),
+            data: data.iter().map(|t| *t as i32).collect(),
+            ..Set::default()
+        }
+    }
+
+    #[test]
+    fn round_trip_the_splitproxy_maps() {
+        for s in crate::nft::tests::fixture::sets() {
+            let (entries, back) = round_trip(&s, &s.elements);
+            assert_eq!(entries, s.elements.len());
+            assert_eq!(back, s.elements, "set {}", s.name);
+        }
+    }
+
+    #[test]
+    fn single_field_ranges_become_start_and_end_entries() {
+        use DataType::*;
+        let mut s = set("cidrs", &[Ipv4Addr], &[]);
+        s.interval = true;
+        let elems = vec![
+            Element {
+                key: vec![ip4([10, 96, 0, 0])],
+                key_end: vec![ip4([10, 96, 255, 255])],
+                ..Element::default()
+            },
+            Element {
+                key: vec![ip4([192, 168, 1, 1])],
+                ..Element::default()
+            },
+            // Runs to the maximum: no end entry.
+            Element {
+                key: vec![ip4([240, 0, 0, 0])],
+                key_end: vec![ip4([255, 255, 255, 255])],
+                ..Element::default()
+            },
+        ];
+        let (entries, back) = round_trip(&s, &elems);
+        assert_eq!(entries, 5);
+        let mut want = elems.clone();
+        want[1].key_end = want[1].key.clone();
+        assert_eq!(back, want);
+    }
+
+    #[test]
+    fn concatenated_ranges_use_key_end() {
+        use DataType::*;
+        let mut s = set("ranges", &[Ipv4Addr, InetService], &[]);
+        s.interval = true;
+        let elems = vec![Element {
+            key: vec![ip4([10, 0, 0, 0]), port(30000)],
+            key_end: vec![ip4([10, 0, 0, 255]), port(32767)],
+            ..Element::default()
+        }];
+        let (entries, back) = round_trip(&s, &elems);
+        assert_eq!(entries, 1);
+        assert_eq!(back, elems);
+    }
+
+    #[test]
+    fn timeouts_comments_and_verdicts() {
+        let mut s = set("vm", &[DataType::Integer], &[DataType::Verdict]);
+        s.timeout = true;
+        let elems = vec![Element {
+            key: vec![int(7)],
+            verdict: Some(Verdict {
+                code: VerdictCode::Goto as i32,
+                chain: "endpoints-2".to_owned(),
+            }),
+            timeout_ms: 5000,
+            comment: "ns/svc:http".to_owned(),
+            ..Element::default()
+        }];
+        assert_eq!(round_trip(&s, &elems).1, elems);
+    }
+
+    #[test]
+    fn refuses_elements_that_do_not_fit_the_set() {
+        use DataType::*;
+        let layout = SetLayout::new(&set("m", &[Ipv4Addr, InetProto], &[Integer])).unwrap();
+        let mut scratch = Vec::new();
+        let mut enc =
+            |e: Element| encode(&mut NlaBuf::new(), &layout, &e, 4, Op::Add, &mut scratch);
+        let key = vec![ip4([1, 2, 3, 4]), proto(6)];
+        assert!(
+            enc(Element {
+                key: key.clone(),
+                data: vec![int(1)],
+                ..Element::default()
+            })
+            .is_ok()
+        );
+        let no_data = enc(Element {
+            key: key.clone(),
+            ..Element::default()
+        });
+        assert!(matches!(
+            no_data,
+            Err(EncodeError::Element { index: 4, .. })
+        ));
+        let wrong_key = enc(Element {
+            key: vec![ip4([1, 2, 3, 4]), port(6)],
+            data: vec![int(1)],
+            ..Element::default()
+        });
+        assert!(wrong_key.is_err());
+        let timeout = enc(Element {
+            key: key.clone(),
+            data: vec![int(1)],
+            timeout_ms: 1,
+            ..Element::default()
+        });
+        assert!(timeout.is_err());
+        let range = enc(Element {
+            key: key.clone(),
+            key_end: key,
+            data: vec![int(1)],
+            ..Element::default()
+        });
+        assert!(range.is_err());
+    }
+
+    #[test]
+    fn delete_sends_only_the_key() {
+        use DataType::*;
+        let layout = SetLayout::new(&set("m", &[Ipv4Addr], &[Integer])).unwrap();
+        let mut b = NlaBuf::new();
+        let e = Element {
+            key: vec![ip4([1, 2, 3, 4])],
+            data: vec![int(1)],
+            comment: "x".to_owned(),
+            ..Element::default()
+        };
+        encode(&mut b, &layout, &e, 0, Op::Delete, &mut Vec::new()).unwrap();
+        let entry = Attrs::new(b.bytes()).next().unwrap();
+        let types: Vec<u16> = entry.nested().map(|a| a.ty).collect();
+        assert_eq!(types, vec![NFTA_SET_ELEM_KEY]);
+    }
+}

@@ -1,0 +1,210 @@
+//! nf_tables expressions, one module per expression: each lowers one IR expression to the
+//! attributes of its NFTA_EXPR_DATA, and (in tests) reads them back.
+//!
+//! On the wire a rule's expression is `NFTA_LIST_ELEM { NFTA_EXPR_NAME "payload",
+//! NFTA_EXPR_DATA { ... } }`; attribute values are big-endian unless noted.
+
+mod bitwise;
+mod cmp;
+mod counter;
+mod ct;
+mod dynset;
+mod fib;
+mod immediate;
+mod lookup;
+mod masquerade;
+mod meta;
+mod nat;
+mod numgen;
+mod payload;
+mod reject;
+pub(crate) mod verdict;
+
+use splitproxy_proto::v1::{Expr, expr::Kind};
+
+use super::consts::{NFTA_DATA_VALUE, NFTA_EXPR_DATA, NFTA_EXPR_NAME, NFTA_LIST_ELEM};
+use super::error::EncodeError;
+use super::nla::NlaBuf;
+
+/// What an expression needs to know about where it is going.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ctx {
+    /// NFPROTO_* of the table.
+    pub family: u8,
+}
+
+/// Appends `expr` as one element of an NFTA_RULE_EXPRESSIONS list.
+pub(crate) fn encode(expr: &Expr, ctx: Ctx, b: &mut NlaBuf) -> Result<(), EncodeError> {
+    let kind = expr
+        .kind
+        .as_ref()
+        .ok_or(EncodeError::Missing("expression kind"))?;
+    let elem = b.begin_nest(NFTA_LIST_ELEM);
+    b.put_strz(NFTA_EXPR_NAME, name(kind));
+    let data = b.begin_nest(NFTA_EXPR_DATA);
+    match kind {
+        Kind::Payload(e) => payload::encode(e, b)?,
+        Kind::Meta(e) => meta::encode(e, b)?,
+        Kind::Ct(e) => ct::encode(e, b)?,
+        Kind::Fib(e) => fib::encode(e, b)?,
+        Kind::Cmp(e) => cmp::encode(e, b)?,
+        Kind::Bitwise(e) => bitwise::encode(e, b)?,
+        Kind::Lookup(e) => lookup::encode(e, b)?,
+        Kind::Numgen(e) => numgen::encode(e, b)?,
+        Kind::Nat(e) => nat::encode(e, ctx, b)?,
+        Kind::Masquerade(e) => masquerade::encode(e, b)?,
+        Kind::Reject(e) => reject::encode(e, b)?,
+        Kind::Dynset(e) => dynset::encode(e, b)?,
+        Kind::Counter(e) => counter::encode(e, b)?,
+        Kind::Verdict(e) => verdict::encode(e, b)?,
+        Kind::Immediate(e) => immediate::encode(e, b)?,
+    }
+    b.end_nest(data);
+    b.end_nest(elem);
+    Ok(())
+}
+
+/// The kernel's name of the expression (`struct nft_expr_type.name`).
+fn name(kind: &Kind) -> &'static str {
+    match kind {
+        Kind::Payload(_) => "payload",
+        Kind::Meta(_) => "meta",
+        Kind::Ct(_) => "ct",
+        Kind::Fib(_) => "fib",
+        Kind::Cmp(_) => "cmp",
+        Kind::Bitwise(_) => "bitwise",
+        Kind::Lookup(_) => "lookup",
+        Kind::Numgen(_) => "numgen",
+        Kind::Nat(_) => "nat",
+        Kind::Masquerade(_) => "masq",
+        Kind::Reject(_) => "reject",
+        Kind::Dynset(_) => "dynset",
+        Kind::Counter(_) => "counter",
+        Kind::Verdict(_) | Kind::Immediate(_) => "immediate",
+    }
+}
+
+/// `ty { NFTA_DATA_VALUE bytes }`, the nest that carries constants.
+pub(crate) fn put_value(b: &mut NlaBuf, ty: u16, bytes: &[u8]) {
+    let n = b.begin_nest(ty);
+    b.put(NFTA_DATA_VALUE, bytes);
+    b.end_nest(n);
+}
+
+#[cfg(test)]
+pub(crate) use decode::decode;
+
+#[cfg(test)]
+mod decode {
+    use splitproxy_proto::v1::{Expr, expr::Kind};
+
+    use super::*;
+    use crate::nft::consts::{NFT_REG_VERDICT, NFTA_IMMEDIATE_DREG};
+    use crate::nft::nla::{Attr, Attrs};
+
+    /// Reads one NFTA_LIST_ELEM of an expression list back into IR.
+    pub(crate) fn decode(elem: &Attr<'_>) -> Expr {
+        let attrs = elem.nested();
+        let name = attrs.find(NFTA_EXPR_NAME).and_then(|a| a.str()).unwrap();
+        let data = attrs
+            .find(NFTA_EXPR_DATA)
+            .map(|a| a.nested())
+            .unwrap_or_else(|| Attrs::new(&[]));
+        let kind = match name {
+            "payload" => Kind::Payload(payload::decode(&data)),
+            "meta" => Kind::Meta(meta::decode(&data)),
+            "ct" => Kind::Ct(ct::decode(&data)),
+            "fib" => Kind::Fib(fib::decode(&data)),
+            "cmp" => Kind::Cmp(cmp::decode(&data)),
+            "bitwise" => Kind::Bitwise(bitwise::decode(&data)),
+            "lookup" => Kind::Lookup(lookup::decode(&data)),
+            "numgen" => Kind::Numgen(numgen::decode(&data)),
+            "nat" => Kind::Nat(nat::decode(&data)),
+            "masq" => Kind::Masquerade(masquerade::decode(&data)),
+            "reject" => Kind::Reject(reject::decode(&data)),
+            "dynset" => Kind::Dynset(dynset::decode(&data)),
+            "counter" => Kind::Counter(counter::decode(&data)),
+            "immediate" => {
+                let dreg = data.find(NFTA_IMMEDIATE_DREG).and_then(|a| a.u32_be());
+                if dreg == Some(NFT_REG_VERDICT) {
+                    Kind::Verdict(verdict::decode(&data))
+                } else {
+                    Kind::Immediate(immediate::decode(&data))
+                }
+            }
+            other => panic!("unknown expression {other}"),
+        };
+        Expr { kind: Some(kind) }
+    }
+
+    /// The bytes of `ty { NFTA_DATA_VALUE bytes }`.
+    pub(crate) fn value(data: &Attrs<'_>, ty: u16) -> Vec<u8> {
+        data.find(ty)
+            .and_then(|a| a.nested().find(NFTA_DATA_VALUE))
+            .map(|a| a.value.to_vec())
+            .unwrap_or_default()
+    }
+
+    /// u32 attribute `ty`, or 0.
+    pub(crate) fn u32_of(data: &Attrs<'_>, ty: u16) -> u32 {
+        data.find(ty).and_then(|a| a.u32_be()).unwrap_or(0)
+    }
+
+    /// IR register of kernel register attribute `ty`.
+    pub(crate) fn reg_of(data: &Attrs<'_>, ty: u16) -> u32 {
+        u32_of(data, ty) - crate::nft::consts::NFT_REG32_00
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    pub(crate) use super::decode::{reg_of, u32_of, value};
+    use super::*;
+    use crate::nft::consts::NFPROTO_IPV4;
+    use crate::nft::nla::Attrs;
+
+    /// Encodes `kind` in an ip table and decodes it back.
+    pub(crate) fn round_trip(kind: Kind) -> Kind {
+        let expr = Expr { kind: Some(kind) };
+        let mut b = NlaBuf::new();
+        encode(
+            &expr,
+            Ctx {
+                family: NFPROTO_IPV4,
+            },
+            &mut b,
+        )
+        .unwrap();
+        assert!(!b.overflowed());
+        let elems: Vec<_> = Attrs::new(b.bytes()).collect();
+        assert_eq!(elems.len(), 1);
+        assert_eq!(elems[0].ty, NFTA_LIST_ELEM);
+        let back = decode(&elems[0]);
+        back.kind.unwrap()
+    }
+
+    /// Encodes `kind` and returns the error.
+    pub(crate) fn encode_err(kind: Kind) -> EncodeError {
+        let expr = Expr { kind: Some(kind) };
+        encode(
+            &expr,
+            Ctx {
+                family: NFPROTO_IPV4,
+            },
+            &mut NlaBuf::new(),
+        )
+        .unwrap_err()
+    }
+
+    #[test]
+    fn an_expression_needs_a_kind() {
+        let err = encode(
+            &Expr { kind: None },
+            Ctx {
+                family: NFPROTO_IPV4,
+            },
+            &mut NlaBuf::new(),
+        );
+        assert_eq!(err, Err(EncodeError::Missing("expression kind")));
+    }
+}

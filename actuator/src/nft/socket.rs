@@ -1,0 +1,377 @@
+//! [`NftSocket`]: a NETLINK_NETFILTER socket that commits a [`Batch`] as one transaction.
+//!
+//! The whole batch goes out in one `send`: NFNL_MSG_BATCH_BEGIN, the messages, BATCH_END. The
+//! kernel processes it synchronously inside that call, commits or rolls back, and queues one
+//! acknowledgement per message on our socket. Two limits make naive clients fail on big
+//! batches, and both are lifted here:
+//! - the send buffer: a datagram longer than SO_SNDBUF fails (EMSGSIZE); it is raised with
+//!   SO_SNDBUFFORCE (as `nft` does; CAP_NET_ADMIN, which nf_tables needs anyway), falling back
+//!   to SO_SNDBUF, which net.core.wmem_max caps;
+//! - the receive buffer: acknowledgements that do not fit are dropped (ENOBUFS), leaving the
+//!   outcome unknown; it is raised to hold one per message, and acknowledgements are capped
+//!   (NETLINK_CAP_ACK) so that an error does not echo a 60 KiB message back.
+
+use std::io;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::time::TimeVal;
+
+use super::batch::{Batch, HEADER_LEN};
+use super::consts::*;
+use super::error::{CommitError, MessageFailure};
+use super::nla::{Attrs, align4};
+
+/// Longest wait for an acknowledgement. Batches are processed synchronously within `send`, so
+/// the acknowledgements are normally queued before we read; this only bounds the unexpected.
+const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// Receive buffer accounted per queued acknowledgement (skb overhead included).
+const RCVBUF_PER_ACK: usize = 2048;
+/// Headroom on top of the batch length for the send buffer.
+const SNDBUF_HEADROOM: usize = 64 * 1024;
+const RX_BUF_LEN: usize = 64 * 1024;
+
+/// A netlink socket to nf_tables in the network namespace of the thread that opened it.
+#[derive(Debug)]
+pub struct NftSocket {
+    sock: Socket,
+    seq: u32,
+    /// The framed batch with sequence numbers, reused across commits.
+    out: Vec<u8>,
+    rx: Vec<u8>,
+    sndbuf: usize,
+    rcvbuf: usize,
+}
+
+/// Sequence number of message `i` of a batch whose BATCH_BEGIN has `base`.
+fn seq_of(base: u32, i: usize) -> u32 {
+    base.wrapping_add(1).wrapping_add(i as u32)
+}
+
+impl NftSocket {
+    /// Opens the socket in the current thread's network namespace.
+    pub fn open() -> io::Result<Self> {
+        let mut sock = Socket::new(NETLINK_NETFILTER)?;
+        sock.bind_auto()?;
+        sock.connect(&SocketAddr::new(0, 0))?;
+        sock.set_cap_ack(true)?;
+        sock.set_ext_ack(true)?;
+        let timeout = TimeVal::new(ACK_TIMEOUT.as_secs() as _, 0);
+        setsockopt(&sock, sockopt::ReceiveTimeout, &timeout).map_err(io::Error::from)?;
+        // Like libmnl, start from the clock so that a restarted process does not reuse the
+        // previous one's sequence numbers.
+        let seq = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs() as u32)
+            .unwrap_or(1);
+        Ok(Self {
+            sock,
+            seq,
+            out: Vec::new(),
+            rx: Vec::with_capacity(RX_BUF_LEN),
+            sndbuf: 0,
+            rcvbuf: 0,
+        })
+    }
+
+    /// Sends `batch` as one transaction and waits for every acknowledgement. On error the
+    /// kernel has rolled the whole transaction back (see [`CommitError::rolled_back`]).
+    pub fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
+        if let Some(e) = batch.error() {
+            return Err(CommitError::Encode(e.clone()));
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let base = self.seq;
+        self.seq = base.wrapping_add(batch.len() as u32 + 2);
+        self.frame(batch, base);
+        let send_err = |source| CommitError::Send {
+            messages: batch.len(),
+            bytes: batch.byte_len(),
+            source,
+        };
+        self.drain_stale();
+        self.size_buffers(batch.len()).map_err(send_err)?;
+        let sent = self.sock.send(&self.out, 0).map_err(send_err)?;
+        if sent != self.out.len() {
+            return Err(send_err(io::Error::other(format!(
+                "short send: {sent} of {} bytes",
+                self.out.len()
+            ))));
+        }
+        let r = self.read_acks(batch, base);
+        tracing::debug!(
+            messages = batch.len(),
+            bytes = self.out.len(),
+            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+            ok = r.is_ok(),
+            "nft commit"
+        );
+        r
+    }
+
+    /// BATCH_BEGIN, the batch's messages with their sequence numbers, BATCH_END.
+    fn frame(&mut self, batch: &Batch, base: u32) {
+        self.out.clear();
+        self.out.reserve(batch.byte_len() + 2 * HEADER_LEN);
+        self.out
+            .extend_from_slice(&batch_marker(NFNL_MSG_BATCH_BEGIN, base));
+        for (i, msg) in batch.messages().enumerate() {
+            let at = self.out.len();
+            self.out.extend_from_slice(msg);
+            self.out[at + 8..at + 12].copy_from_slice(&seq_of(base, i).to_ne_bytes());
+        }
+        let end = seq_of(base, batch.len());
+        self.out
+            .extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
+    }
+
+    /// Raises the socket buffers so the datagram fits and every acknowledgement can queue.
+    fn size_buffers(&mut self, messages: usize) -> io::Result<()> {
+        let snd = self.out.len() + SNDBUF_HEADROOM;
+        if snd > self.sndbuf {
+            // The kernel doubles the value; what matters is that it is at least `snd`.
+            if setsockopt(&self.sock, sockopt::SndBufForce, &snd).is_err() {
+                setsockopt(&self.sock, sockopt::SndBuf, &snd).map_err(io::Error::from)?;
+            }
+            self.sndbuf = snd;
+        }
+        let rcv = (messages + 2) * RCVBUF_PER_ACK + RX_BUF_LEN;
+        if rcv > self.rcvbuf {
+            if setsockopt(&self.sock, sockopt::RcvBufForce, &rcv).is_err() {
+                setsockopt(&self.sock, sockopt::RcvBuf, &rcv).map_err(io::Error::from)?;
+            }
+            self.rcvbuf = rcv;
+        }
+        Ok(())
+    }
+
+    /// Discards whatever an earlier, interrupted commit left queued.
+    fn drain_stale(&mut self) {
+        loop {
+            self.rx.clear();
+            match self.sock.recv(&mut self.rx, libc_flags::MSG_DONTWAIT) {
+                Ok(_) => continue,
+                Err(e) if e.raw_os_error() == Some(libc_flags::ENOBUFS) => continue,
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn read_acks(&mut self, batch: &Batch, base: u32) -> Result<(), CommitError> {
+        let expected = batch.len();
+        let mut acked = vec![false; expected];
+        let mut received = 0;
+        let mut failures: Vec<MessageFailure> = Vec::new();
+        // After an error on the batch itself the kernel may send nothing more: stop waiting.
+        let mut drain_only = false;
+        let mut last_err: Option<io::Error> = None;
+        while received < expected {
+            self.rx.clear();
+            let flags = if drain_only {
+                libc_flags::MSG_DONTWAIT
+            } else {
+                0
+            };
+            let n = match self.sock.recv(&mut self.rx, flags) {
+                Ok(n) => n.min(self.rx.len()),
+                Err(e) if e.raw_os_error() == Some(libc_flags::ENOBUFS) => {
+                    // Some acknowledgements were dropped; read what is left, without waiting.
+                    last_err = Some(e);
+                    drain_only = true;
+                    continue;
+                }
+                Err(e) => {
+                    last_err = Some(e);
+                    break;
+                }
+            };
+            for ack in parse_acks(&self.rx[..n]) {
+                let rel = ack.seq.wrapping_sub(base) as usize;
+                if rel == 0 || rel == expected + 1 {
+                    if ack.errno != 0 {
+                        failures.push(MessageFailure {
+                            errno: ack.errno,
+                            message: None,
+                            description: "the transaction".to_owned(),
+                            kernel_message: ack.message,
+                        });
+                        drain_only = true;
+                    }
+                    continue;
+                }
+                let Some(i) = rel.checked_sub(1).filter(|i| *i < expected) else {
+                    continue; // not ours: a stale acknowledgement
+                };
+                if !acked[i] {
+                    acked[i] = true;
+                    received += 1;
+                }
+                if ack.errno != 0 {
+                    failures.push(MessageFailure {
+                        errno: ack.errno,
+                        message: Some(i),
+                        description: batch.describe(i, ack.bad_attr),
+                        kernel_message: ack.message,
+                    });
+                }
+            }
+        }
+        if !failures.is_empty() {
+            // Report batch-level errors after the messages that caused them, if any.
+            failures.sort_by_key(|f| f.message.unwrap_or(usize::MAX));
+            return Err(CommitError::Rejected { failures });
+        }
+        if received < expected {
+            return Err(CommitError::AcksLost {
+                expected,
+                received,
+                source: last_err.unwrap_or_else(|| io::Error::from(io::ErrorKind::TimedOut)),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The few libc numbers needed here, without a direct libc dependency.
+mod libc_flags {
+    pub const MSG_DONTWAIT: i32 = nix::sys::socket::MsgFlags::MSG_DONTWAIT.bits();
+    pub const ENOBUFS: i32 = nix::errno::Errno::ENOBUFS as i32;
+}
+
+/// NFNL_MSG_BATCH_BEGIN or _END for the nf_tables subsystem.
+fn batch_marker(ty: u16, seq: u32) -> [u8; HEADER_LEN] {
+    let mut m = [0u8; HEADER_LEN];
+    m[0..4].copy_from_slice(&(HEADER_LEN as u32).to_ne_bytes());
+    m[4..6].copy_from_slice(&ty.to_ne_bytes());
+    m[6..8].copy_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+    m[8..12].copy_from_slice(&seq.to_ne_bytes());
+    m[16] = AF_UNSPEC;
+    m[17] = NFNETLINK_V0;
+    m[18..20].copy_from_slice(&NFNL_SUBSYS_NFTABLES.to_be_bytes());
+    m
+}
+
+/// One NLMSG_ERROR (an acknowledgement when errno is 0).
+#[derive(Debug, PartialEq, Eq)]
+struct Ack {
+    seq: u32,
+    /// Positive errno, 0 for success.
+    errno: i32,
+    message: Option<String>,
+    /// NLMSGERR_ATTR_OFFS: offset of the offending attribute in the original message.
+    bad_attr: Option<u32>,
+}
+
+/// The acknowledgements in one received datagram; other message types are skipped.
+fn parse_acks(mut buf: &[u8]) -> Vec<Ack> {
+    let mut out = Vec::new();
+    while buf.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            break;
+        }
+        let ty = u16::from_ne_bytes([buf[4], buf[5]]);
+        let flags = u16::from_ne_bytes([buf[6], buf[7]]);
+        let seq = u32::from_ne_bytes([buf[8], buf[9], buf[10], buf[11]]);
+        let payload = &buf[NLMSG_HDRLEN..len];
+        if ty == NLMSG_ERROR
+            && let Some(ack) = parse_error(seq, flags, payload)
+        {
+            out.push(ack);
+        }
+        buf = buf.get(align4(len)..).unwrap_or_default();
+    }
+    out
+}
+
+/// `struct nlmsgerr { int error; struct nlmsghdr msg; }`, the original message's payload
+/// unless capped, then the extended-ack attributes if NLM_F_ACK_TLVS.
+fn parse_error(seq: u32, flags: u16, payload: &[u8]) -> Option<Ack> {
+    let error = i32::from_ne_bytes(payload.get(0..4)?.try_into().ok()?);
+    let orig = payload.get(4..4 + NLMSG_HDRLEN)?;
+    let orig_len = u32::from_ne_bytes(orig[0..4].try_into().ok()?) as usize;
+    let echoed = if flags & NLM_F_CAPPED != 0 {
+        NLMSG_HDRLEN
+    } else {
+        align4(orig_len.max(NLMSG_HDRLEN))
+    };
+    let mut ack = Ack {
+        seq,
+        errno: error.saturating_neg(),
+        message: None,
+        bad_attr: None,
+    };
+    if flags & NLM_F_ACK_TLVS != 0
+        && let Some(tlvs) = payload.get(4 + echoed..)
+    {
+        for a in Attrs::new(tlvs) {
+            match a.ty {
+                NLMSGERR_ATTR_MSG => ack.message = a.str().map(str::to_owned),
+                NLMSGERR_ATTR_OFFS => ack.bad_attr = a.u32_ne(),
+                _ => {}
+            }
+        }
+    }
+    Some(ack)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::nla::NlaBuf;
+
+    fn error_msg(seq: u32, error: i32, tlvs: &[u8]) -> Vec<u8> {
+        let mut m = Vec::new();
+        let len = NLMSG_HDRLEN + 4 + NLMSG_HDRLEN + tlvs.len();
+        m.extend_from_slice(&(len as u32).to_ne_bytes());
+        m.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        let flags = NLM_F_CAPPED | if tlvs.is_empty() { 0 } else { NLM_F_ACK_TLVS };
+        m.extend_from_slice(&flags.to_ne_bytes());
+        m.extend_from_slice(&seq.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&error.to_ne_bytes());
+        m.extend_from_slice(&[0; NLMSG_HDRLEN]);
+        m.extend_from_slice(tlvs);
+        m
+    }
+
+    #[test]
+    fn parses_acks_errors_and_extended_acks() {
+        let mut tlvs = NlaBuf::new();
+        tlvs.put_strz(NLMSGERR_ATTR_MSG, "bad thing");
+        tlvs.put(NLMSGERR_ATTR_OFFS, &44u32.to_ne_bytes());
+        let mut dgram = error_msg(7, 0, &[]);
+        dgram.extend(error_msg(8, -2, tlvs.bytes()));
+        let acks = parse_acks(&dgram);
+        assert_eq!(
+            acks,
+            vec![
+                Ack {
+                    seq: 7,
+                    errno: 0,
+                    message: None,
+                    bad_attr: None
+                },
+                Ack {
+                    seq: 8,
+                    errno: 2,
+                    message: Some("bad thing".to_owned()),
+                    bad_attr: Some(44)
+                },
+            ]
+        );
+        assert!(parse_acks(&dgram[..10]).is_empty());
+    }
+
+    #[test]
+    fn batch_markers_address_the_nftables_subsystem() {
+        let m = batch_marker(NFNL_MSG_BATCH_BEGIN, 5);
+        assert_eq!(&m[18..20], &[0, 10]);
+        assert_eq!(u16::from_ne_bytes([m[4], m[5]]), 16);
+        assert_eq!(seq_of(u32::MAX, 0), 0);
+    }
+}

@@ -1,0 +1,8 @@
+//! Tests across modules: the IR fixture, an independent decode of whole batches with
+//! `netlink-packet-netfilter`, and the kernel tests, which run in private network namespaces.
+
+pub(crate) mod fixture;
+
+mod crosscheck;
+mod kernel;
+mod netns;

@@ -1,0 +1,75 @@
+//! Wires the actuator together: netlink socket, applier, health server, brain stream. Nothing
+//! here flushes the table on exit: the node keeps forwarding with the last applied rules.
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+
+use crate::apply::Applier;
+use crate::client::{self, ClientConfig};
+use crate::config::Args;
+use crate::health::{self, Health};
+use crate::nft::NftSocket;
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let node = match args.node_name.clone().filter(|n| !n.is_empty()) {
+        Some(n) => n,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("reading hostname (or pass --hostname-override)")?
+            .trim()
+            .to_string(),
+    };
+    let read =
+        |p: &std::path::Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let config = ClientConfig {
+        brains: args.brains.clone(),
+        server_name: args.brain_server_name.clone(),
+        node: node.clone(),
+        ca_pem: read(&args.ca)?,
+        cert_pem: read(&args.tls_cert)?,
+        key_pem: read(&args.tls_key)?,
+    };
+    let socket = NftSocket::open().context("opening the nf_tables netlink socket")?;
+    let applier = Arc::new(Mutex::new(Applier::new(socket, args.table.clone())));
+    let health = Arc::new(Health::default());
+
+    let healthz = health::bind(args.healthz_bind_address)
+        .await
+        .context("binding healthz address")?;
+    tokio::spawn(log_err(
+        "healthz server",
+        health::serve(healthz, health.clone()),
+    ));
+    if args.metrics_bind_address != args.healthz_bind_address {
+        let metrics = health::bind(args.metrics_bind_address)
+            .await
+            .context("binding metrics address")?;
+        tokio::spawn(log_err(
+            "metrics server",
+            health::serve(metrics, health.clone()),
+        ));
+    }
+    tracing::info!(%node, brains = ?args.brains, table = %args.table, "starting actuator");
+    tokio::select! {
+        _ = client::run(config, applier, health) => {}
+        _ = shutdown() => {}
+    }
+    Ok(())
+}
+
+async fn log_err(what: &'static str, f: impl std::future::Future<Output = std::io::Result<()>>) {
+    if let Err(e) = f.await {
+        tracing::error!(error = %e, "{what} failed");
+    }
+}
+
+async fn shutdown() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down; the applied rules stay in the kernel");
+}

@@ -1,0 +1,43 @@
+//! Command-line flags. Where a flag means what a kube-proxy flag means, it has its name.
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "splitproxy-brain",
+    version,
+    about = "splitproxy brain: watches the API server once and streams per-node nftables deltas over mTLS gRPC"
+)]
+pub struct Args {
+    /// kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// gRPC listen address for actuators and operators.
+    #[arg(long, default_value = "0.0.0.0:9443")]
+    pub listen: SocketAddr,
+    /// Server certificate (PEM).
+    #[arg(long)]
+    pub tls_cert: PathBuf,
+    /// Server private key (PEM).
+    #[arg(long)]
+    pub tls_key: PathBuf,
+    /// CA that signs client (actuator and operator) certificates (PEM).
+    #[arg(long)]
+    pub client_ca: PathBuf,
+    /// Service CIDRs: ClusterIPs outside them are skipped, unallocated addresses inside are
+    /// dropped. Repeatable or comma-separated.
+    #[arg(long = "service-cidr", value_delimiter = ',')]
+    pub service_cidrs: Vec<ipnet::IpNet>,
+    /// Name of the nftables tables the actuators own.
+    #[arg(long, default_value = "splitproxy")]
+    pub table: String,
+    /// HTTP address for /metrics, /healthz and /readyz.
+    #[arg(long = "metrics-bind-address", default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: SocketAddr,
+    /// Use streaming lists (sendInitialEvents) for the initial lists; `false` uses paged lists.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub streaming_lists: bool,
+    /// Log format: text or json.
+    #[arg(long, default_value = "text")]
+    pub log_format: String,
+}

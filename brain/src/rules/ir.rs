@@ -1,0 +1,224 @@
+//! Small constructors for IR expressions, so that rule builders read like the nft rules they
+//! produce. Byte orders follow the kernel: addresses and ports in network order, marks, ct bits
+//! and integers in host order.
+use std::net::IpAddr;
+
+use splitproxy_proto::v1::{
+    self, Bitwise, Cmp, CmpOp, Ct, CtKey, Datum, Expr, Immediate, Lookup, Meta, MetaKey, Nat,
+    NatType, Numgen, NumgenType, Payload, PayloadBase, Reject, RejectType, Verdict, VerdictCode,
+    datum::Value, expr::Kind,
+};
+
+fn e(kind: Kind) -> Expr {
+    Expr { kind: Some(kind) }
+}
+
+/// `ip daddr` (or `ip6 daddr`) into `reg`.
+pub fn daddr(ipv6: bool, reg: u32) -> Expr {
+    let (offset, len) = if ipv6 { (24, 16) } else { (16, 4) };
+    payload(PayloadBase::Network, offset, len, reg)
+}
+
+/// `ip saddr` (or `ip6 saddr`) into `reg`.
+pub fn saddr(ipv6: bool, reg: u32) -> Expr {
+    let (offset, len) = if ipv6 { (8, 16) } else { (12, 4) };
+    payload(PayloadBase::Network, offset, len, reg)
+}
+
+/// `th dport` into `reg`.
+pub fn dport(reg: u32) -> Expr {
+    payload(PayloadBase::Transport, 2, 2, reg)
+}
+
+pub fn payload(base: PayloadBase, offset: u32, len: u32, dreg: u32) -> Expr {
+    e(Kind::Payload(Payload {
+        base: base as i32,
+        offset,
+        len,
+        dreg,
+    }))
+}
+
+pub fn meta(key: MetaKey, dreg: u32) -> Expr {
+    e(Kind::Meta(Meta {
+        key: key as i32,
+        dreg,
+        set: false,
+        sreg: 0,
+    }))
+}
+
+pub fn ct(key: CtKey, dreg: u32) -> Expr {
+    e(Kind::Ct(Ct {
+        key: key as i32,
+        dreg,
+    }))
+}
+
+pub fn cmp(op: CmpOp, sreg: u32, data: Vec<u8>) -> Expr {
+    e(Kind::Cmp(Cmp {
+        op: op as i32,
+        sreg,
+        data,
+    }))
+}
+
+pub fn bitwise(sreg: u32, dreg: u32, mask: Vec<u8>) -> Expr {
+    let xor = vec![0; mask.len()];
+    e(Kind::Bitwise(Bitwise {
+        sreg,
+        dreg,
+        mask,
+        xor,
+    }))
+}
+
+/// `ct state new`.
+pub fn ct_state_new() -> Vec<Expr> {
+    const NEW: u32 = 8;
+    vec![
+        ct(CtKey::State, 0),
+        bitwise(0, 0, NEW.to_ne_bytes().to_vec()),
+        cmp(CmpOp::Neq, 0, 0u32.to_ne_bytes().to_vec()),
+    ]
+}
+
+/// `ip daddr PREFIX` as a mask and a compare.
+pub fn daddr_in(net: ipnet::IpNet) -> Vec<Expr> {
+    let (mask, addr) = match net {
+        ipnet::IpNet::V4(n) => (n.netmask().octets().to_vec(), n.network().octets().to_vec()),
+        ipnet::IpNet::V6(n) => (n.netmask().octets().to_vec(), n.network().octets().to_vec()),
+    };
+    vec![
+        daddr(net.addr().is_ipv6(), 0),
+        bitwise(0, 0, mask),
+        cmp(CmpOp::Eq, 0, addr),
+    ]
+}
+
+/// `ip daddr . meta l4proto . th dport` into registers 0.. (ipv4: 0,1,2; ipv6: 0-3,4,5).
+/// Returns the expressions and the first free register.
+pub fn service_tuple(ipv6: bool) -> (Vec<Expr>, u32) {
+    let a = if ipv6 { 4 } else { 1 };
+    (
+        vec![daddr(ipv6, 0), meta(MetaKey::L4proto, a), dport(a + 1)],
+        a + 2,
+    )
+}
+
+pub fn lookup(set: &str, sreg: u32) -> Expr {
+    e(Kind::Lookup(Lookup {
+        set: set.into(),
+        sreg,
+        ..Default::default()
+    }))
+}
+
+pub fn lookup_map(set: &str, sreg: u32, dreg: u32) -> Expr {
+    e(Kind::Lookup(Lookup {
+        set: set.into(),
+        sreg,
+        has_dreg: true,
+        dreg,
+        ..Default::default()
+    }))
+}
+
+pub fn vmap(set: &str, sreg: u32) -> Expr {
+    e(Kind::Lookup(Lookup {
+        set: set.into(),
+        sreg,
+        verdict: true,
+        ..Default::default()
+    }))
+}
+
+pub fn numgen_random(modulus: u32, dreg: u32) -> Expr {
+    e(Kind::Numgen(Numgen {
+        r#type: NumgenType::Random as i32,
+        modulus,
+        offset: 0,
+        dreg,
+    }))
+}
+
+pub fn dnat(ipv6: bool, reg_addr: u32, reg_proto: u32) -> Expr {
+    let family = if ipv6 {
+        v1::Family::Ip6
+    } else {
+        v1::Family::Ip
+    };
+    e(Kind::Nat(Nat {
+        r#type: NatType::Dnat as i32,
+        family: family as i32,
+        has_addr: true,
+        reg_addr,
+        has_proto: true,
+        reg_proto,
+        flags: 0,
+    }))
+}
+
+/// `reject` with ICMP (v6) port unreachable, which a TCP client sees as "connection refused".
+pub fn reject(ipv6: bool) -> Expr {
+    let code = if ipv6 { 4 } else { 3 };
+    e(Kind::Reject(Reject {
+        r#type: RejectType::IcmpUnreach as i32,
+        code,
+    }))
+}
+
+pub fn verdict(code: VerdictCode, chain: &str) -> Expr {
+    e(Kind::Verdict(Verdict {
+        code: code as i32,
+        chain: chain.into(),
+    }))
+}
+
+pub fn jump(chain: &str) -> Expr {
+    verdict(VerdictCode::Jump, chain)
+}
+
+pub fn goto(chain: &str) -> Verdict {
+    Verdict {
+        code: VerdictCode::Goto as i32,
+        chain: chain.into(),
+    }
+}
+
+pub fn drop() -> Expr {
+    verdict(VerdictCode::Drop, "")
+}
+
+pub fn immediate(dreg: u32, data: Vec<u8>) -> Expr {
+    e(Kind::Immediate(Immediate { dreg, data }))
+}
+
+pub fn ip(addr: IpAddr) -> Datum {
+    match addr {
+        IpAddr::V4(a) => Datum {
+            value: Some(Value::Ipv4(a.octets().to_vec())),
+        },
+        IpAddr::V6(a) => Datum {
+            value: Some(Value::Ipv6(a.octets().to_vec())),
+        },
+    }
+}
+
+pub fn proto(p: u8) -> Datum {
+    Datum {
+        value: Some(Value::Proto(p.into())),
+    }
+}
+
+pub fn port(p: u16) -> Datum {
+    Datum {
+        value: Some(Value::Port(p.into())),
+    }
+}
+
+pub fn int(v: u32) -> Datum {
+    Datum {
+        value: Some(Value::U32(v)),
+    }
+}

@@ -1,0 +1,122 @@
+//! Wires the brain together: API client, watches and index, gRPC server with mTLS, reflection
+//! and health, and the HTTP endpoints.
+use std::sync::Arc;
+
+use anyhow::Context;
+use splitproxy_proto::v1::dataplane_server::DataplaneServer;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+
+use crate::config::Args;
+use crate::fanout::Fanout;
+use crate::metrics::Metrics;
+use crate::rules::RulesConfig;
+use crate::server::DataplaneService;
+use crate::{http, tls, watch};
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let client = kube_client(&args).await?;
+    let metrics = Arc::new(Metrics::default());
+    let fanout = Fanout::new(metrics);
+    let config = RulesConfig {
+        table: args.table.clone(),
+        service_cidrs: args.service_cidrs.clone(),
+    };
+    tracing::info!(epoch = fanout.epoch, listen = %args.listen, ?config, "starting brain");
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    health
+        .set_not_serving::<DataplaneServer<DataplaneService>>()
+        .await;
+    {
+        // gRPC health follows readiness: serving only while synced.
+        let (_, mut synced) = fanout.subscribe();
+        tokio::spawn(async move {
+            loop {
+                let status = if *synced.borrow_and_update() {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                };
+                health.set_service_status("", status).await;
+                health
+                    .set_service_status("splitproxy.v1.Dataplane", status)
+                    .await;
+                if synced.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(splitproxy_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building reflection service")?;
+
+    tokio::spawn(watch::run(
+        client,
+        config,
+        fanout.clone(),
+        args.streaming_lists,
+    ));
+    tokio::spawn({
+        let fanout = fanout.clone();
+        let addr = args.metrics_bind_address;
+        async move {
+            if let Err(e) = http::serve(addr, fanout).await {
+                tracing::error!(error = %e, "metrics server failed");
+            }
+        }
+    });
+
+    let tls = tls::server_config(&args.tls_cert, &args.tls_key, &args.client_ca)?;
+    let service = DataplaneService {
+        fanout,
+        verify_node_identity: true,
+    };
+    Server::builder()
+        .tls_config(tls)
+        .context("configuring TLS")?
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(
+            DataplaneServer::new(service)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(1 << 30),
+        )
+        .serve_with_shutdown(args.listen, shutdown())
+        .await
+        .context("gRPC server")?;
+    Ok(())
+}
+
+async fn kube_client(args: &Args) -> anyhow::Result<kube::Client> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::incluster()
+            .context("in-cluster config (pass --kubeconfig outside a cluster)")?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+async fn shutdown() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+}

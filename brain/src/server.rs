@@ -1,0 +1,210 @@
+//! The `splitproxy.v1.Dataplane` gRPC service: one `Sync` stream per node, plus read-only
+//! introspection for operators.
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use splitproxy_proto::v1::dataplane_server::Dataplane;
+use splitproxy_proto::v1::{
+    GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeStatus,
+    SyncRequest, Update, sync_request,
+};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::fanout::Fanout;
+use crate::tls;
+
+/// How long the brain waits for an ack before it gives up on the stream.
+const ACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// Pause after a NACK before the next attempt (a snapshot), unless the state changes first.
+const NACK_BACKOFF: Duration = Duration::from_secs(2);
+
+pub struct DataplaneService {
+    pub fanout: Arc<Fanout>,
+    /// Require the client certificate to name the node (off only for tests of other parts).
+    pub verify_node_identity: bool,
+}
+
+type UpdateStream = Pin<Box<dyn Stream<Item = Result<Update, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Dataplane for DataplaneService {
+    type SyncStream = UpdateStream;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<SyncRequest>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let peer = request
+            .remote_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let identities = tls::peer_identities(&request);
+        let mut inbound = request.into_inner();
+        let hello = match inbound.next().await {
+            Some(Ok(SyncRequest {
+                msg: Some(sync_request::Msg::Hello(h)),
+            })) => h,
+            Some(Err(e)) => return Err(e),
+            _ => return Err(Status::invalid_argument("the first message must be Hello")),
+        };
+        if hello.node.is_empty() {
+            return Err(Status::invalid_argument("Hello.node is empty"));
+        }
+        if self.verify_node_identity && !identities.iter().any(|id| id == &hello.node) {
+            tracing::warn!(node = %hello.node, ?identities, %peer, "node name does not match client certificate");
+            return Err(Status::permission_denied(format!(
+                "client certificate does not identify node {:?}",
+                hello.node
+            )));
+        }
+        tracing::info!(node = %hello.node, %peer, applied = ?hello.applied.as_ref().map(|a| (a.brain_epoch, a.generation)), "node connected");
+        let (tx, rx) = mpsc::channel(1);
+        let fanout = self.fanout.clone();
+        tokio::spawn(async move {
+            let node = hello.node.clone();
+            fanout.set_connected(&node, true, &peer);
+            if let Err(e) = session(&fanout, &hello, inbound, tx).await {
+                tracing::info!(%node, error = %e, "node stream ended");
+            }
+            fanout.set_connected(&node, false, &peer);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn list_nodes(
+        &self,
+        _request: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        let desired = self.fanout.desired();
+        let nodes = self
+            .fanout
+            .nodes
+            .lock()
+            .map_err(|_| Status::internal("poisoned"))?;
+        let mut out: Vec<NodeStatus> = nodes
+            .iter()
+            .map(|(name, st)| NodeStatus {
+                node: name.clone(),
+                connected: st.connected,
+                desired_generation: st.generation,
+                acked_generation: st.acked_generation,
+                last_apply_duration: st.last_apply.and_then(|d| d.try_into().ok()),
+                last_error: st.last_error.clone(),
+                peer: st.peer.clone(),
+                in_sync: st
+                    .acked
+                    .as_ref()
+                    .is_some_and(|(v, _)| *v == desired.version),
+            })
+            .collect();
+        out.sort_by(|a, b| a.node.cmp(&b.node));
+        Ok(Response::new(ListNodesResponse {
+            brain_epoch: self.fanout.epoch,
+            synced: self.fanout.synced(),
+            nodes: out,
+            desired_version: desired.version,
+        }))
+    }
+
+    async fn get_node_ruleset(
+        &self,
+        request: Request<GetNodeRulesetRequest>,
+    ) -> Result<Response<GetNodeRulesetResponse>, Status> {
+        let node = request.into_inner().node;
+        let desired = self.fanout.desired();
+        let model = desired
+            .variants
+            .get(&self.fanout.view_of(&node))
+            .ok_or_else(|| Status::unavailable("no desired state yet"))?;
+        let ruleset = model.to_ruleset();
+        Ok(Response::new(GetNodeRulesetResponse {
+            generation: desired.version,
+            nft: splitproxy_proto::render::ruleset(&ruleset),
+            ruleset: Some(ruleset),
+        }))
+    }
+}
+
+/// One node's stream: wait until the brain is synced (no empty push), then send an update
+/// whenever the desired state moves and the previous update has been answered.
+async fn session(
+    fanout: &Fanout,
+    hello: &splitproxy_proto::v1::Hello,
+    mut inbound: Streaming<SyncRequest>,
+    tx: mpsc::Sender<Result<Update, Status>>,
+) -> Result<(), Status> {
+    let node = hello.node.as_str();
+    let (mut desired_rx, mut synced_rx) = fanout.subscribe();
+    synced_rx
+        .wait_for(|s| *s)
+        .await
+        .map_err(|_| Status::unavailable("brain shutting down"))?;
+    let mut base = fanout.resume_point(node, hello.applied.as_ref());
+    tracing::info!(node, resume = base.is_some(), "serving node");
+    loop {
+        let desired = desired_rx.borrow_and_update().clone();
+        if !fanout.synced() {
+            // Stale (relisting): keep what the node has, send nothing until synced again.
+            synced_rx
+                .wait_for(|s| *s)
+                .await
+                .map_err(|_| Status::unavailable("shutting down"))?;
+            continue;
+        }
+        let Some((update, target)) = fanout.next_update(node, base.as_ref(), &desired) else {
+            tokio::select! {
+                r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
+                msg = inbound.next() => return unexpected(msg),
+            }
+            continue;
+        };
+        let generation = update.generation;
+        tracing::debug!(
+            node,
+            generation,
+            snapshot = update.base_generation == 0,
+            "sending update"
+        );
+        tx.send(Ok(update))
+            .await
+            .map_err(|_| Status::cancelled("node went away"))?;
+        let ack = match tokio::time::timeout(ACK_TIMEOUT, inbound.next()).await {
+            Err(_) => return Err(Status::deadline_exceeded("no ack")),
+            Ok(Some(Ok(SyncRequest {
+                msg: Some(sync_request::Msg::Ack(ack)),
+            }))) => ack,
+            Ok(other) => return unexpected(other),
+        };
+        if ack.generation != generation {
+            return Err(Status::invalid_argument(format!(
+                "ack for generation {} while {} is outstanding",
+                ack.generation, generation
+            )));
+        }
+        if fanout.record_ack(node, &ack, (desired.version, target.clone())) {
+            base = Some((desired.version, target));
+        } else {
+            tracing::warn!(node, generation, error = %ack.error, "node failed to apply update; next is a snapshot");
+            base = None;
+            tokio::select! {
+                _ = tokio::time::sleep(NACK_BACKOFF) => {}
+                _ = desired_rx.changed() => {}
+            }
+        }
+    }
+}
+
+fn unexpected(msg: Option<Result<SyncRequest, Status>>) -> Result<(), Status> {
+    match msg {
+        None => Err(Status::cancelled("node closed its stream")),
+        Some(Err(e)) => Err(e),
+        Some(Ok(_)) => Err(Status::invalid_argument(
+            "unexpected message: only acks follow Hello",
+        )),
+    }
+}

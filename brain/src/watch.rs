@@ -1,0 +1,352 @@
+//! One watch per resource on the API server (streaming lists), feeding a single task that owns
+//! the index. Nothing is published before every initial list is complete, and a relist swaps the
+//! resource in whole when it is done, so nodes never see a half-loaded cluster (invariant 2).
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Api, Client};
+use splitproxy_proto::model::Model;
+use tokio::sync::mpsc;
+
+use crate::fanout::Fanout;
+use crate::index::Index;
+use crate::metrics::Metrics;
+use crate::objects::{self, ObjectKey};
+use crate::rules::{self, NodeView, RulesConfig};
+
+enum IndexEvent {
+    Service(Event<Service>),
+    Slice(Event<EndpointSlice>),
+    Node(Event<Node>),
+}
+
+/// Watches Services, EndpointSlices and Nodes and keeps `fanout` published until the watches
+/// end (they retry with backoff, so only on shutdown).
+pub async fn run(client: Client, config: RulesConfig, fanout: Arc<Fanout>, streaming: bool) {
+    let (tx, mut rx) = mpsc::channel(4096);
+    let wc = if streaming {
+        watcher::Config::default().streaming_lists()
+    } else {
+        watcher::Config::default()
+    };
+    spawn_watch(
+        Api::<Service>::all(client.clone()),
+        wc.clone(),
+        tx.clone(),
+        IndexEvent::Service,
+        fanout.metrics.clone(),
+    );
+    spawn_watch(
+        Api::<EndpointSlice>::all(client.clone()),
+        wc.clone(),
+        tx.clone(),
+        IndexEvent::Slice,
+        fanout.metrics.clone(),
+    );
+    spawn_watch(
+        Api::<Node>::all(client),
+        wc,
+        tx,
+        IndexEvent::Node,
+        fanout.metrics.clone(),
+    );
+
+    let mut state = IndexState::new(config, fanout.metrics.clone());
+    while let Some(ev) = rx.recv().await {
+        state.handle(ev);
+        // Fold in whatever else is already queued before recomputing.
+        while let Ok(ev) = rx.try_recv() {
+            state.handle(ev);
+        }
+        state.publish(&fanout);
+    }
+}
+
+fn spawn_watch<K>(
+    api: Api<K>,
+    wc: watcher::Config,
+    tx: mpsc::Sender<IndexEvent>,
+    wrap: fn(Event<K>) -> IndexEvent,
+    metrics: Arc<Metrics>,
+) where
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Default,
+{
+    let kind = K::kind(&K::DynamicType::default()).to_string();
+    tokio::spawn(async move {
+        let mut stream = watcher::watcher(api, wc).default_backoff().boxed();
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(ev) => {
+                    if tx.send(wrap(ev)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    metrics
+                        .relists
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(%kind, error = %e, "watch failed; retrying with backoff");
+                }
+            }
+        }
+    });
+}
+
+/// A resource's list state: the index holds the last complete list plus watch events; a relist
+/// collects into `buffer` until it is done.
+struct ListState<T> {
+    synced: bool,
+    buffer: Option<Vec<T>>,
+}
+
+impl<T> Default for ListState<T> {
+    fn default() -> Self {
+        ListState {
+            synced: false,
+            buffer: None,
+        }
+    }
+}
+
+impl<T> ListState<T> {
+    fn init(&mut self) {
+        self.buffer = Some(Vec::new());
+    }
+    fn done(&mut self) -> Vec<T> {
+        self.synced = true;
+        self.buffer.take().unwrap_or_default()
+    }
+    fn relisting(&self) -> bool {
+        self.buffer.is_some()
+    }
+}
+
+struct IndexState {
+    index: Index,
+    config: RulesConfig,
+    metrics: Arc<Metrics>,
+    services: ListState<(ObjectKey, Arc<objects::ServiceInfo>)>,
+    slices: ListState<(ObjectKey, Arc<objects::SliceInfo>)>,
+    nodes: ListState<objects::NodeInfo>,
+    dirty: bool,
+    trigger_times: Vec<prost_types::Timestamp>,
+    objects: Vec<String>,
+}
+
+impl IndexState {
+    fn new(config: RulesConfig, metrics: Arc<Metrics>) -> Self {
+        IndexState {
+            index: Index::default(),
+            config,
+            metrics,
+            services: ListState::default(),
+            slices: ListState::default(),
+            nodes: ListState::default(),
+            dirty: false,
+            trigger_times: Vec::new(),
+            objects: Vec::new(),
+        }
+    }
+
+    fn handle(&mut self, ev: IndexEvent) {
+        match ev {
+            IndexEvent::Service(ev) => self.service_event(ev),
+            IndexEvent::Slice(ev) => self.slice_event(ev),
+            IndexEvent::Node(ev) => self.node_event(ev),
+        }
+    }
+
+    fn service_event(&mut self, ev: Event<Service>) {
+        let cidrs = &self.config.service_cidrs;
+        match ev {
+            Event::Init => self.services.init(),
+            Event::InitApply(svc) => {
+                if let Some(info) = objects::service(&svc, cidrs, &self.metrics)
+                    && let Some(buf) = self.services.buffer.as_mut()
+                {
+                    buf.push((info.key.clone(), info));
+                }
+            }
+            Event::InitDone => {
+                let all = self.services.done();
+                tracing::info!(services = all.len(), "services listed");
+                self.index.reset_services(all);
+                self.dirty = true;
+            }
+            Event::Apply(svc) => {
+                let key = ObjectKey::of(&svc);
+                let info = objects::service(&svc, cidrs, &self.metrics);
+                self.index.apply_service(key.clone(), info);
+                self.check_ports(&key);
+                self.changed(format!("Service {key}"), None);
+            }
+            Event::Delete(svc) => {
+                let key = ObjectKey::of(&svc);
+                self.index.apply_service(key.clone(), None);
+                self.changed(format!("Service {key}"), None);
+            }
+        }
+    }
+
+    fn slice_event(&mut self, ev: Event<EndpointSlice>) {
+        match ev {
+            Event::Init => self.slices.init(),
+            Event::InitApply(s) => {
+                if let Some(info) = objects::slice(&s, &self.metrics)
+                    && let Some(buf) = self.slices.buffer.as_mut()
+                {
+                    buf.push((info.key.clone(), info));
+                }
+            }
+            Event::InitDone => {
+                let all = self.slices.done();
+                tracing::info!(slices = all.len(), "endpoint slices listed");
+                self.index.reset_slices(all);
+                self.dirty = true;
+            }
+            Event::Apply(s) => {
+                let key = ObjectKey::of(&s);
+                let info = objects::slice(&s, &self.metrics);
+                let trigger = info.as_ref().and_then(|i| i.trigger_time);
+                let service = info.as_ref().map(|i| i.service.clone());
+                self.index.apply_slice(key.clone(), info);
+                if let Some(svc) = service {
+                    self.check_ports(&svc);
+                }
+                self.changed(format!("EndpointSlice {key}"), trigger);
+            }
+            Event::Delete(s) => {
+                let key = ObjectKey::of(&s);
+                self.index.apply_slice(key.clone(), None);
+                self.changed(format!("EndpointSlice {key}"), None);
+            }
+        }
+    }
+
+    fn node_event(&mut self, ev: Event<Node>) {
+        match ev {
+            Event::Init => self.nodes.init(),
+            Event::InitApply(n) => {
+                if let Some(buf) = self.nodes.buffer.as_mut() {
+                    buf.push(objects::node(&n));
+                }
+            }
+            Event::InitDone => {
+                let all = self.nodes.done();
+                tracing::info!(nodes = all.len(), "nodes listed");
+                self.index.reset_nodes(all);
+                self.dirty = true;
+            }
+            Event::Apply(n) => {
+                let info = objects::node(&n);
+                self.index.apply_node(info.name.clone(), Some(info));
+                self.dirty = true;
+            }
+            Event::Delete(n) => {
+                self.index.apply_node(kube::ResourceExt::name_any(&n), None);
+                self.dirty = true;
+            }
+        }
+    }
+
+    fn changed(&mut self, object: String, trigger: Option<k8s_openapi::jiff::Timestamp>) {
+        self.dirty = true;
+        self.objects.push(object);
+        let t = trigger.unwrap_or_else(k8s_openapi::jiff::Timestamp::now);
+        self.trigger_times.push(prost_types::Timestamp {
+            seconds: t.as_second(),
+            nanos: t.subsec_nanosecond(),
+        });
+    }
+
+    /// Logs and counts Service ports that a slice of the Service cannot serve: the slice has no
+    /// port of that name and protocol, so it contributes no endpoints to it.
+    fn check_ports(&self, service: &ObjectKey) {
+        let Some(svc) = self.index.service(service) else {
+            return;
+        };
+        for slice in self.index.slices_of(service) {
+            for port in &svc.ports {
+                if !slice
+                    .ports
+                    .iter()
+                    .any(|p| p.name == port.name && p.protocol == port.protocol)
+                {
+                    self.metrics
+                        .invalid("EndpointSlice", "no_matching_service_port");
+                    tracing::warn!(service = %service, slice = %slice.key, port = %port.name,
+                        protocol = port.protocol.name(), "slice has no port matching the Service port; skipped for it");
+                }
+            }
+        }
+    }
+
+    fn synced(&self) -> bool {
+        let all = self.services.synced && self.slices.synced && self.nodes.synced;
+        all && !self.services.relisting() && !self.slices.relisting() && !self.nodes.relisting()
+    }
+
+    fn publish(&mut self, fanout: &Fanout) {
+        let synced = self.synced();
+        if synced != fanout.synced() && !synced {
+            tracing::warn!("relisting: holding the last complete state until the list is done");
+            fanout.set_synced(false);
+        }
+        if !synced || !self.dirty {
+            return;
+        }
+        let start = Instant::now();
+        let mut variants: HashMap<NodeView, Arc<Model>> = HashMap::new();
+        let mut views: Vec<NodeView> = self
+            .index
+            .nodes()
+            .map(|n| fanout.view_of(&n.name))
+            .collect();
+        views.push(NodeView::default());
+        for view in views {
+            variants.entry(view.clone()).or_insert_with(|| {
+                Arc::new(Model::from_ruleset(&rules::ruleset(
+                    &self.index,
+                    &self.config,
+                    &view,
+                )))
+            });
+        }
+        let took = start.elapsed();
+        self.metrics
+            .recomputes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.recompute_micros_total.fetch_add(
+            took.as_micros() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        tracing::debug!(
+            ?took,
+            objects = self.objects.len(),
+            "recomputed desired state"
+        );
+        fanout.publish(
+            variants,
+            std::mem::take(&mut self.trigger_times),
+            std::mem::take(&mut self.objects),
+        );
+        self.dirty = false;
+        if !fanout.synced() {
+            tracing::info!("every initial list is complete; serving nodes");
+            fanout.set_synced(true);
+        }
+    }
+}

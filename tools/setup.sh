@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian machine needs before splitproxy's tests or lab run: Debian packages
+# (nftables for `nft -j` checks, iproute2 for namespaces, conntrack, nsenter), then the pinned
+# Go-built binaries (cached by version, so a warm run is instant).
+#   tools/setup.sh [test|bench|all]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+need=()
+command -v nft >/dev/null || need+=(nftables)
+command -v ip >/dev/null || need+=(iproute2)
+command -v conntrack >/dev/null || need+=(conntrack)
+command -v nsenter >/dev/null || need+=(util-linux)
+command -v curl >/dev/null || need+=(curl)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "[setup] installing Debian packages: ${need[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+command -v go >/dev/null || { echo "[setup] Go is required to build the pinned Kubernetes binaries" >&2; exit 1; }
+"$here/build-tools.sh" "${1:-test}" >/dev/null

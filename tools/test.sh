@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs every test of splitproxy on a fresh machine, as root: set-up (Debian packages, pinned
+# etcd/kube-apiserver/grpcurl built from the Go module proxy), formatting and lints, then the
+# whole workspace's tests (unit, kernel-in-namespace, API server, end to end).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "$(id -u)" -eq 0 ] || { echo "tests create network namespaces: run as root" >&2; exit 1; }
+start=$SECONDS
+tools/setup.sh test
+echo "[test] set-up done in $((SECONDS - start)) s" >&2
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+cargo test --workspace --no-fail-fast "$@"
