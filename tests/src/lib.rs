@@ -23,6 +23,8 @@
 
 pub mod certs;
 pub mod controlplane;
+pub mod deploy;
+pub mod lab;
 pub mod netns;
 pub mod podserver;
 pub mod portfwd;

@@ -54,6 +54,8 @@ pub struct Batch {
     msgs: Vec<MsgInfo>,
     error: Option<EncodeError>,
     rules_per_chain: HashMap<String, usize>,
+    /// Last NFTA_SET_ID handed out in this batch.
+    next_set_id: u32,
 }
 
 fn family_name(family: Family) -> &'static str {
@@ -164,9 +166,12 @@ impl Batch {
     pub fn add_set(&mut self, family: Family, table: &str, set: &Set) -> Result<(), EncodeError> {
         let layout = SetLayout::new(set)?;
         let what = format!("add set {}", set.name);
+        let id = self.next_set_id + 1;
         self.message(NFT_MSG_NEWSET, family, NLM_F_CREATE, what, |b| {
-            set::encode_add(b, table, &layout, &set.comment)
-        })
+            set::encode_add(b, table, &layout, &set.comment, id)
+        })?;
+        self.next_set_id = id;
+        Ok(())
     }
 
     /// NFT_MSG_DELSET: the set must be unreferenced by then.
@@ -227,6 +232,7 @@ impl Batch {
         self.msgs.clear();
         self.error = None;
         self.rules_per_chain.clear();
+        self.next_set_id = 0;
     }
 
     /// The encoded messages, in order, without sequence numbers.

@@ -108,6 +108,7 @@ pub const NFTA_SET_KEY_LEN: u16 = 5;
 pub const NFTA_SET_DATA_TYPE: u16 = 6;
 pub const NFTA_SET_DATA_LEN: u16 = 7;
 pub const NFTA_SET_DESC: u16 = 9;
+pub const NFTA_SET_ID: u16 = 10;
 pub const NFTA_SET_TIMEOUT: u16 = 11;
 pub const NFTA_SET_USERDATA: u16 = 13;
 pub const NFTA_SET_DESC_CONCAT: u16 = 2;

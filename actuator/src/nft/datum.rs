@@ -71,10 +71,20 @@ impl Fields {
 
     /// NFTA_SET_KEY_TYPE / NFTA_SET_DATA_TYPE: nft's type id, folded for concatenations as
     /// nft's `concat_type_alloc` does (first field in the highest bits).
+    ///
+    /// The kernel ignores it; `nft list` uses it to print elements. nft's `integer` has no
+    /// size, and inside a concatenation `nft list ruleset` (1.0.6) aborts on it
+    /// (`concat_expr_msort_value: Assertion 'ilen > 0'`). A 32-bit host-order integer is byte
+    /// for byte a `mark`, so inside concatenations it is announced as one.
     pub(crate) fn type_id(&self) -> u32 {
-        self.0
-            .iter()
-            .fold(0, |acc, t| (acc << TYPE_BITS) | *t as u32)
+        let concat = self.is_concat();
+        self.0.iter().fold(0, |acc, t| {
+            let id = match t {
+                DataType::Integer if concat => DataType::Mark,
+                t => *t,
+            };
+            (acc << TYPE_BITS) | id as u32
+        })
     }
 
     /// Unpadded field lengths, for NFTA_SET_DESC_CONCAT.
@@ -225,7 +235,8 @@ pub(crate) mod tests {
         let f = fields(&[Ipv4Addr, InetProto, InetService, Integer]);
         assert_eq!(f.byte_len(), 16);
         assert_eq!(f.field_lens().collect::<Vec<_>>(), vec![4, 1, 2, 4]);
-        assert_eq!(f.type_id(), (((7 << 6 | 12) << 6 | 13) << 6) | 4);
+        // integer is announced as mark inside a concatenation (see type_id).
+        assert_eq!(f.type_id(), (((7 << 6 | 12) << 6 | 13) << 6) | 19);
         let key = [ip4([10, 0, 0, 1]), proto(6), port(80), int(3)];
         let mut out = Vec::new();
         f.encode(&key, &mut out).unwrap();

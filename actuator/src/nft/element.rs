@@ -166,8 +166,8 @@ pub(crate) mod tests {
             if let Some(end) = value(&a, NFTA_SET_ELEM_KEY_END) {
                 e.key_end = layout.key.decode(&end);
             } else if layout.interval {
-                // A single-field range to the maximum value has no end entry.
-                e.key_end = e.key.clone();
+                // Until an end entry says otherwise: a range to the maximum value.
+                e.key_end = layout.key.decode(&vec![0xff; key.len()]);
             }
             match &layout.data {
                 SetData::None => {}

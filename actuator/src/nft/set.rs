@@ -66,7 +66,9 @@ impl SetLayout {
         if self.interval {
             flags |= NFT_SET_INTERVAL;
         }
-        if self.concat_interval() {
+        // Since Linux 6.2 the kernel wants NFT_SET_CONCAT exactly when NFTA_SET_DESC_CONCAT
+        // describes more than one field, as `nft` sends it for every concatenation.
+        if self.key.is_concat() {
             flags |= NFT_SET_CONCAT;
         }
         if self.data != SetData::None {
@@ -82,17 +84,20 @@ impl SetLayout {
     }
 }
 
-/// Attributes of a set declaration.
+/// Attributes of a set declaration. `id` is unique within the transaction (the kernel requires
+/// NFTA_SET_ID, which lets later messages of the same batch name the set by id).
 pub(crate) fn encode_add(
     b: &mut NlaBuf,
     table: &str,
     layout: &SetLayout,
     comment: &str,
+    id: u32,
 ) -> Result<(), EncodeError> {
     check::name("table", table)?;
     check::comment("set", comment)?;
     b.put_strz(NFTA_SET_TABLE, table);
     b.put_strz(NFTA_SET_NAME, &layout.name);
+    b.put_u32_be(NFTA_SET_ID, id);
     b.put_u32_be(NFTA_SET_FLAGS, layout.flags());
     b.put_u32_be(NFTA_SET_KEY_TYPE, layout.key.type_id());
     b.put_u32_be(NFTA_SET_KEY_LEN, layout.key.byte_len() as u32);
@@ -165,7 +170,16 @@ pub(crate) mod tests {
             }
             v
         };
-        let key = unfold(u32_of(NFTA_SET_KEY_TYPE).unwrap());
+        let mut key = unfold(u32_of(NFTA_SET_KEY_TYPE).unwrap());
+        if key.len() > 1 {
+            // Integers are announced as marks inside concatenations (datum.rs); the fixtures
+            // hold no mark in a concatenated key, so read them back as integers.
+            for t in &mut key {
+                if *t == DataType::Mark as i32 {
+                    *t = DataType::Integer as i32;
+                }
+            }
+        }
         let key_fields = Fields::new(&key).unwrap();
         assert_eq!(u32_of(NFTA_SET_KEY_LEN), Some(key_fields.byte_len() as u32));
         if key_fields.is_concat() {
@@ -218,7 +232,7 @@ pub(crate) mod tests {
     fn round_trip(set: &Set) -> Set {
         let layout = SetLayout::new(set).unwrap();
         let mut b = NlaBuf::new();
-        encode_add(&mut b, "splitproxy", &layout, &set.comment).unwrap();
+        encode_add(&mut b, "splitproxy", &layout, &set.comment, 1).unwrap();
         let (table, back) = decode(&Attrs::new(b.bytes()));
         assert_eq!(table, "splitproxy");
         back

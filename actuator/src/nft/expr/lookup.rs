@@ -50,7 +50,7 @@ pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Lookup {
         sreg: reg_of(a, NFTA_LOOKUP_SREG),
         has_dreg: matches!(dreg, Some(r) if r != NFT_REG_VERDICT),
         dreg: match dreg {
-            Some(r) if r != NFT_REG_VERDICT => r - NFT_REG32_00,
+            Some(r) if r != NFT_REG_VERDICT => super::tests::ir_reg(r),
             _ => 0,
         },
         verdict: dreg == Some(NFT_REG_VERDICT),

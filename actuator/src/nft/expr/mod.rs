@@ -152,13 +152,22 @@ mod decode {
 
     /// IR register of kernel register attribute `ty`.
     pub(crate) fn reg_of(data: &Attrs<'_>, ty: u16) -> u32 {
-        u32_of(data, ty) - crate::nft::consts::NFT_REG32_00
+        ir_reg(u32_of(data, ty))
+    }
+
+    /// IR register of a kernel register number. Dumps from the kernel name the 32-bit
+    /// registers that start a legacy 128-bit register (REG32_00, _04, _08, _12) NFT_REG_1..4.
+    pub(crate) fn ir_reg(raw: u32) -> u32 {
+        match raw {
+            1..=4 => (raw - 1) * 4,
+            _ => raw - crate::nft::consts::NFT_REG32_00,
+        }
     }
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
-    pub(crate) use super::decode::{reg_of, u32_of, value};
+    pub(crate) use super::decode::{ir_reg, reg_of, u32_of, value};
     use super::*;
     use crate::nft::consts::NFPROTO_IPV4;
     use crate::nft::nla::Attrs;

@@ -4,5 +4,6 @@
 pub(crate) mod fixture;
 
 mod crosscheck;
+mod dump;
 mod kernel;
 mod netns;

@@ -1,0 +1,62 @@
+//! `splitproxy-lab`: a local splitproxy installation in network namespaces, scriptable.
+//!
+//! `up` starts etcd, kube-apiserver, brains and one actuator per node namespace and stays in the
+//! foreground as the lab's supervisor (or in the background with `--detach`); `apply`, `probe`,
+//! `status` and `down` talk to it over a Unix socket; `demo` brings a lab up with demo Services
+//! and shows traffic. `brain` and `actuator` run the real components (the same code as the
+//! `splitproxy-brain` and `splitproxy-actuator` binaries), so the lab and the tests spawn real
+//! processes from one binary.
+#![forbid(unsafe_code)]
+
+mod cli;
+mod control;
+mod demo;
+mod supervisor;
+
+use clap::Parser;
+
+fn main() -> anyhow::Result<()> {
+    let cli = cli::Cli::parse();
+    match cli.command {
+        cli::Command::Brain(args) => {
+            splitproxy_brain::init_logging(&args.log_format);
+            runtime()?.block_on(splitproxy_brain::run::run(args))
+        }
+        cli::Command::Actuator(args) => {
+            splitproxy_actuator::init_logging(&args.log_format);
+            runtime()?.block_on(splitproxy_actuator::run::run(args))
+        }
+        cli::Command::Up(up) => supervisor::up(&cli.state_dir, up),
+        cli::Command::Demo(up) => demo::run(&cli.state_dir, up),
+        cli::Command::Apply { path } => control::apply(&cli.state_dir, &path),
+        cli::Command::Probe(p) => control::probe(&cli.state_dir, p),
+        cli::Command::Pod {
+            node,
+            name,
+            ip,
+            tcp,
+            udp,
+        } => {
+            control::call(
+                &cli.state_dir,
+                &control::Request::AddPod {
+                    node,
+                    name: name.clone(),
+                    ip,
+                    tcp,
+                    udp,
+                },
+            )?;
+            println!("pod {name} ({ip}) is up");
+            Ok(())
+        }
+        cli::Command::Status => control::status(&cli.state_dir),
+        cli::Command::Down => control::down(&cli.state_dir),
+    }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}

@@ -1,0 +1,212 @@
+//! splitproxy's own processes for tests and the lab: a brain on host loopback, and actuators
+//! inside node namespaces that reach it through a port forwarder (so nothing touches the host's
+//! interfaces). Both run from the multi-call `splitproxy-lab` binary (`splitproxy-lab brain ...`
+//! is exactly `splitproxy-brain ...`), which lets integration tests spawn real processes.
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use crate::Result;
+use crate::certs::{Pki, TlsFiles};
+use crate::netns::Netns;
+use crate::portfwd::{Forwarder, forward_port};
+use crate::process::{Child, free_port, wait_for_port};
+
+/// The port actuators use inside their node namespace to reach brain `i` (forwarded).
+pub fn brain_port_in_node(i: usize) -> u16 {
+    9443 + i as u16
+}
+
+/// Where actuators serve /healthz, /readyz and /metrics inside their node namespace.
+pub const ACTUATOR_HEALTHZ: &str = "127.0.0.1:10256";
+
+/// A brain process listening on host loopback.
+pub struct Brain {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub metrics: SocketAddr,
+    pub tls: TlsFiles,
+}
+
+#[derive(Debug, Clone)]
+pub struct BrainOptions {
+    pub service_cidrs: Vec<String>,
+    pub extra_args: Vec<String>,
+}
+
+impl Brain {
+    /// Starts a brain against the API server of `kubeconfig`, with mTLS from `pki`, and waits
+    /// until its gRPC port accepts connections. `grpc` may be given to reuse an address.
+    pub fn start(
+        exe: &Path,
+        kubeconfig: &Path,
+        pki: &Pki,
+        dir: &Path,
+        name: &str,
+        grpc: Option<SocketAddr>,
+        opts: &BrainOptions,
+    ) -> Result<Brain> {
+        std::fs::create_dir_all(dir)?;
+        let tls = pki.write(
+            dir,
+            name,
+            &pki.server_cert(&["127.0.0.1", "localhost", name])?,
+        )?;
+        let grpc = match grpc {
+            Some(a) => a,
+            None => SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+        };
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let mut cmd = Command::new(exe);
+        cmd.arg("brain")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--listen")
+            .arg(grpc.to_string())
+            .arg("--metrics-bind-address")
+            .arg(metrics.to_string())
+            .arg("--tls-cert")
+            .arg(&tls.cert)
+            .arg("--tls-key")
+            .arg(&tls.key)
+            .arg("--client-ca")
+            .arg(&tls.ca)
+            .args(&opts.extra_args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        if !opts.service_cidrs.is_empty() {
+            cmd.arg("--service-cidr").arg(opts.service_cidrs.join(","));
+        }
+        let child = Child::spawn(name, cmd, &dir.join(format!("{name}.log")))?;
+        let mut brain = Brain {
+            child,
+            grpc,
+            metrics,
+            tls,
+        };
+        if let Err(e) = wait_for_port(grpc, Duration::from_secs(30)) {
+            bail!(
+                "brain did not listen on {grpc}: {e:#}\n{}",
+                brain.child.log_tail(30)
+            );
+        }
+        if !brain.child.is_running() {
+            bail!("brain exited:\n{}", brain.child.log_tail(30));
+        }
+        Ok(brain)
+    }
+
+    /// GET on the brain's HTTP endpoint; returns status code and body.
+    pub fn http_get(&self, path: &str) -> Result<(u16, String)> {
+        http_get(self.metrics, path)
+    }
+}
+
+/// An actuator process inside a node namespace.
+pub struct Actuator {
+    pub node: String,
+    pub child: Child,
+    /// Forwarders from inside the node namespace to each brain.
+    pub forwarders: Vec<Forwarder>,
+    pub tls: TlsFiles,
+    log: PathBuf,
+}
+
+impl Actuator {
+    /// Starts an actuator for `node` in `ns`, connected to `brains` (host loopback addresses)
+    /// through forwarders in the namespace.
+    pub fn start(
+        exe: &Path,
+        ns: &Netns,
+        node: &str,
+        brains: &[SocketAddr],
+        pki: &Pki,
+        dir: &Path,
+    ) -> Result<Actuator> {
+        std::fs::create_dir_all(dir)?;
+        let tls = pki.write(dir, &format!("actuator-{node}"), &pki.client_cert(node)?)?;
+        let mut forwarders = Vec::new();
+        let mut urls = Vec::new();
+        for (i, b) in brains.iter().enumerate() {
+            let local = SocketAddr::from(([127, 0, 0, 1], brain_port_in_node(i)));
+            forwarders.push(forward_port(ns, local, *b).context("forwarding to the brain")?);
+            urls.push(format!("https://{local}"));
+        }
+        let mut cmd = Command::new(exe);
+        cmd.arg("actuator")
+            .arg("--brain")
+            .arg(urls.join(","))
+            .arg("--hostname-override")
+            .arg(node)
+            .arg("--ca")
+            .arg(&tls.ca)
+            .arg("--tls-cert")
+            .arg(&tls.cert)
+            .arg("--tls-key")
+            .arg(&tls.key)
+            .arg("--healthz-bind-address")
+            .arg(ACTUATOR_HEALTHZ)
+            .arg("--metrics-bind-address")
+            .arg(ACTUATOR_HEALTHZ)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        let log = dir.join(format!("actuator-{node}.log"));
+        let child = ns.spawn(&format!("actuator-{node}"), cmd, &log)?;
+        Ok(Actuator {
+            node: node.to_string(),
+            child,
+            forwarders,
+            tls,
+            log,
+        })
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        crate::process::log_tail(&self.log, lines)
+    }
+}
+
+/// GET `path` from an HTTP/1.1 server; returns the status code and body.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    let status = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("bad HTTP answer from {addr}: {buf:?}"))?;
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// GET from inside a namespace (for actuators' local endpoints).
+pub fn http_get_in(ns: &Netns, addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let path = path.to_string();
+    ns.run(move || http_get(addr, &path))?
+}
+
+/// Reads one sample of a Prometheus metric (the first line starting with `name`).
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.split([' ', '{']).next() == Some(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
