@@ -94,7 +94,7 @@ impl Applier {
             self.delta_batch(&delta)?
         };
         let start = Instant::now();
-        if !batch.is_empty() {
+        if !batch.is_empty() || batch.error().is_some() {
             self.socket
                 .commit(&batch)
                 .map_err(|e| ApplyError::Kernel(e.to_string()))?;

@@ -24,6 +24,7 @@
 pub mod certs;
 pub mod controlplane;
 pub mod deploy;
+pub mod fixtures;
 pub mod lab;
 pub mod netns;
 pub mod podserver;

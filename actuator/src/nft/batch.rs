@@ -261,21 +261,21 @@ impl Batch {
         let contains =
             |a: &Attr<'_>| (a.offset..a.offset + align4(a.value.len() + NLA_HDRLEN)).contains(&off);
         let msg_type = (u16::from_ne_bytes([bytes[4], bytes[5]]) & 0xff) as u8;
-        let (list_attr, noun) = match msg_type {
-            NFT_MSG_NEWSETELEM | NFT_MSG_DELSETELEM => (NFTA_SET_ELEM_LIST_ELEMENTS, "element"),
-            NFT_MSG_NEWRULE => (NFTA_RULE_EXPRESSIONS, "expression"),
+        let (list_attr, elements) = match msg_type {
+            NFT_MSG_NEWSETELEM | NFT_MSG_DELSETELEM => (NFTA_SET_ELEM_LIST_ELEMENTS, true),
+            NFT_MSG_NEWRULE => (NFTA_RULE_EXPRESSIONS, false),
             _ => return m.what.clone(),
         };
         let hit = attrs
             .find(list_attr)
             .and_then(|list| list.nested().position(|e| contains(&e)));
-        match (hit, noun) {
-            (Some(k), "element") => match m.entries.get(k) {
+        match hit {
+            Some(k) if elements => match m.entries.get(k) {
                 Some(i) => format!("{} (element {i} of the call)", m.what),
                 None => format!("{}{range}", m.what),
             },
-            (Some(k), _) => format!("{} (expression {k})", m.what),
-            (None, _) => format!("{}{range}", m.what),
+            Some(k) => format!("{} (expression {k})", m.what),
+            None => format!("{}{range}", m.what),
         }
     }
 
@@ -442,5 +442,165 @@ impl Batch {
             entries: o.entries,
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::datum::tests::{int, ip4, port, proto};
+    use crate::nft::tests::fixture;
+    use splitproxy_proto::v1::DataType;
+
+    const IP: Family = Family::Ip;
+
+    fn header(msg: &[u8]) -> (u32, u16, u16, u8) {
+        (
+            u32::from_ne_bytes(msg[0..4].try_into().unwrap()),
+            u16::from_ne_bytes([msg[4], msg[5]]),
+            u16::from_ne_bytes([msg[6], msg[7]]),
+            msg[16],
+        )
+    }
+
+    #[test]
+    fn messages_carry_type_flags_family_and_length() {
+        let mut b = Batch::new();
+        b.add_table(Family::Ip6, "splitproxy", "");
+        b.add_rule(IP, "splitproxy", "services", &fixture::services_rule())
+            .unwrap();
+        b.destroy_table(IP, "splitproxy");
+        let msgs: Vec<&[u8]> = b.messages().collect();
+        assert_eq!(msgs.len(), 3);
+        let (len, ty, flags, family) = header(msgs[0]);
+        assert_eq!(len as usize, msgs[0].len());
+        assert_eq!(ty, (10 << 8) | u16::from(NFT_MSG_NEWTABLE));
+        assert_eq!(flags, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE);
+        assert_eq!(family, NFPROTO_IPV6);
+        let (_, ty, flags, family) = header(msgs[1]);
+        assert_eq!(ty & 0xff, u16::from(NFT_MSG_NEWRULE));
+        assert_eq!(
+            flags,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_APPEND
+        );
+        assert_eq!(family, NFPROTO_IPV4);
+        assert_eq!(header(msgs[2]).1 & 0xff, u16::from(NFT_MSG_DESTROYTABLE));
+        assert_eq!(b.byte_len(), msgs.iter().map(|m| m.len()).sum::<usize>());
+    }
+
+    #[test]
+    fn invalid_names_and_families_poison_the_batch() {
+        let mut b = Batch::new();
+        b.add_table(IP, "ok", "");
+        b.del_table(Family::Unspecified, "splitproxy");
+        b.del_chain(IP, "ok", "");
+        assert_eq!(b.len(), 1);
+        assert_eq!(b.error(), Some(&EncodeError::Family(0)));
+        b.clear();
+        assert!(b.error().is_none() && b.is_empty());
+    }
+
+    #[test]
+    fn a_failed_call_leaves_the_batch_unchanged() {
+        let mut b = Batch::new();
+        b.add_table(IP, "t", "");
+        let before = (b.len(), b.byte_len());
+        let set = fixture::sets()
+            .into_iter()
+            .find(|s| s.name == "service-ips")
+            .unwrap();
+        let mut elems = set.elements.clone();
+        elems.push(Element {
+            key: vec![ip4([1, 2, 3, 4])],
+            ..Element::default()
+        });
+        let err = b.add_elements(IP, "t", &set, &elems).unwrap_err();
+        assert!(
+            matches!(err, EncodeError::Element { index: 2, .. }),
+            "{err}"
+        );
+        let mut rule = fixture::services_rule();
+        rule.exprs[0].kind = None;
+        assert!(b.add_rule(IP, "t", "services", &rule).is_err());
+        assert_eq!((b.len(), b.byte_len()), before);
+        assert!(b.error().is_none());
+    }
+
+    /// A set of (ip . proto . port . slot -> ip . port) and `n` elements for it.
+    fn endpoints(n: u32) -> (Set, Vec<Element>) {
+        use DataType::*;
+        let set = Set {
+            name: "service-endpoints".to_owned(),
+            key: vec![
+                Ipv4Addr as i32,
+                InetProto as i32,
+                InetService as i32,
+                Integer as i32,
+            ],
+            data: vec![Ipv4Addr as i32, InetService as i32],
+            ..Set::default()
+        };
+        let elems = (0..n)
+            .map(|i| {
+                let [_, a, b, c] = i.to_be_bytes();
+                Element {
+                    key: vec![ip4([10, a, b, c]), proto(6), port(80), int(i % 3)],
+                    data: vec![ip4([10, 244, b, c]), port(8080)],
+                    ..Element::default()
+                }
+            })
+            .collect();
+        (set, elems)
+    }
+
+    #[test]
+    fn elements_are_packed_into_messages_under_64k() {
+        let (set, elems) = endpoints(10_000);
+        let mut b = Batch::new();
+        b.add_elements(IP, "t", &set, &elems).unwrap();
+        assert!(b.len() > 1, "{} messages", b.len());
+        let layout = SetLayout::new(&set).unwrap();
+        let mut decoded = Vec::new();
+        for msg in b.messages() {
+            let attrs = Attrs::with_base(&msg[HEADER_LEN..], HEADER_LEN);
+            let list = attrs.find(NFTA_SET_ELEM_LIST_ELEMENTS).unwrap();
+            assert!(list.value.len() <= ELEMENTS_PER_MESSAGE_BYTES);
+            decoded.extend(element::tests::decode(&layout, &list));
+        }
+        assert_eq!(decoded, elems);
+    }
+
+    #[test]
+    fn describe_names_the_element_or_expression_at_the_kernels_offset() {
+        let (set, elems) = endpoints(2_000);
+        let mut b = Batch::new();
+        b.add_elements(IP, "t", &set, &elems).unwrap();
+        b.add_rule(IP, "t", "services", &fixture::services_rule())
+            .unwrap();
+        assert_eq!(b.len(), 3);
+        // The second message's 11th entry.
+        let msg: Vec<&[u8]> = b.messages().collect();
+        let attrs = Attrs::with_base(&msg[1][HEADER_LEN..], HEADER_LEN);
+        let list = attrs.find(NFTA_SET_ELEM_LIST_ELEMENTS).unwrap();
+        let entry = list.nested().nth(10).unwrap();
+        let first = b.msgs[1].entries[0] as usize;
+        assert_eq!(
+            b.describe(1, Some(entry.offset as u32 + 8)),
+            format!(
+                "add elements to set service-endpoints (element {} of the call)",
+                first + 10
+            )
+        );
+        assert!(
+            b.describe(1, None)
+                .starts_with("add elements to set service-endpoints (elements ")
+        );
+        let attrs = Attrs::with_base(&msg[2][HEADER_LEN..], HEADER_LEN);
+        let exprs = attrs.find(NFTA_RULE_EXPRESSIONS).unwrap();
+        let lookup = exprs.nested().nth(3).unwrap();
+        assert_eq!(
+            b.describe(2, Some(lookup.offset as u32)),
+            "add rule #1 to chain services (\"dispatch to the service's endpoints\") (expression 3)"
+        );
     }
 }

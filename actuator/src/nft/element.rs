@@ -64,7 +64,7 @@ pub(crate) fn encode(
         put_value(b, NFTA_SET_ELEM_KEY_END, end);
     }
     if op == Op::Add {
-        encode_payload(b, layout, elem).map_err(|why| err(why))?;
+        encode_payload(b, layout, elem).map_err(err)?;
     }
     b.end_nest(entry);
 

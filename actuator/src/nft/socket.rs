@@ -87,7 +87,7 @@ impl NftSocket {
         let started = Instant::now();
         let base = self.seq;
         self.seq = base.wrapping_add(batch.len() as u32 + 2);
-        self.frame(batch, base);
+        frame(&mut self.out, batch, base);
         let send_err = |source| CommitError::Send {
             messages: batch.len(),
             bytes: batch.byte_len(),
@@ -113,33 +113,18 @@ impl NftSocket {
         r
     }
 
-    /// BATCH_BEGIN, the batch's messages with their sequence numbers, BATCH_END.
-    fn frame(&mut self, batch: &Batch, base: u32) {
-        self.out.clear();
-        self.out.reserve(batch.byte_len() + 2 * HEADER_LEN);
-        self.out
-            .extend_from_slice(&batch_marker(NFNL_MSG_BATCH_BEGIN, base));
-        for (i, msg) in batch.messages().enumerate() {
-            let at = self.out.len();
-            self.out.extend_from_slice(msg);
-            self.out[at + 8..at + 12].copy_from_slice(&seq_of(base, i).to_ne_bytes());
-        }
-        let end = seq_of(base, batch.len());
-        self.out
-            .extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
-    }
-
     /// Raises the socket buffers so the datagram fits and every acknowledgement can queue.
     fn size_buffers(&mut self, messages: usize) -> io::Result<()> {
-        let snd = self.out.len() + SNDBUF_HEADROOM;
+        // The kernel doubles the value it is given, an int.
+        let max = (i32::MAX / 2) as usize;
+        let snd = (self.out.len() + SNDBUF_HEADROOM).min(max);
         if snd > self.sndbuf {
-            // The kernel doubles the value; what matters is that it is at least `snd`.
             if setsockopt(&self.sock, sockopt::SndBufForce, &snd).is_err() {
                 setsockopt(&self.sock, sockopt::SndBuf, &snd).map_err(io::Error::from)?;
             }
             self.sndbuf = snd;
         }
-        let rcv = (messages + 2) * RCVBUF_PER_ACK + RX_BUF_LEN;
+        let rcv = ((messages + 2) * RCVBUF_PER_ACK + RX_BUF_LEN).min(max);
         if rcv > self.rcvbuf {
             if setsockopt(&self.sock, sockopt::RcvBufForce, &rcv).is_err() {
                 setsockopt(&self.sock, sockopt::RcvBuf, &rcv).map_err(io::Error::from)?;
@@ -240,6 +225,21 @@ impl NftSocket {
 mod libc_flags {
     pub const MSG_DONTWAIT: i32 = nix::sys::socket::MsgFlags::MSG_DONTWAIT.bits();
     pub const ENOBUFS: i32 = nix::errno::Errno::ENOBUFS as i32;
+}
+
+/// Writes BATCH_BEGIN (sequence number `base`), the batch's messages numbered from `base + 1`,
+/// and BATCH_END into `out`.
+fn frame(out: &mut Vec<u8>, batch: &Batch, base: u32) {
+    out.clear();
+    out.reserve(batch.byte_len() + 2 * HEADER_LEN);
+    out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_BEGIN, base));
+    for (i, msg) in batch.messages().enumerate() {
+        let at = out.len();
+        out.extend_from_slice(msg);
+        out[at + 8..at + 12].copy_from_slice(&seq_of(base, i).to_ne_bytes());
+    }
+    let end = seq_of(base, batch.len());
+    out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
 }
 
 /// NFNL_MSG_BATCH_BEGIN or _END for the nf_tables subsystem.
@@ -365,6 +365,31 @@ mod tests {
             ]
         );
         assert!(parse_acks(&dgram[..10]).is_empty());
+    }
+
+    #[test]
+    fn frames_the_batch_with_consecutive_sequence_numbers() {
+        let mut batch = Batch::new();
+        batch.add_table(splitproxy_proto::v1::Family::Ip, "t", "");
+        batch.del_set(splitproxy_proto::v1::Family::Ip, "t", "s");
+        let mut out = Vec::new();
+        frame(&mut out, &batch, 100);
+        assert_eq!(out.len(), batch.byte_len() + 2 * HEADER_LEN);
+        let mut seqs = Vec::new();
+        let mut types = Vec::new();
+        let mut rest = &out[..];
+        while !rest.is_empty() {
+            let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
+            types.push(u16::from_ne_bytes([rest[4], rest[5]]));
+            seqs.push(u32::from_ne_bytes(rest[8..12].try_into().unwrap()));
+            rest = &rest[len..];
+        }
+        assert_eq!(seqs, vec![100, 101, 102, 103]);
+        let nft = |msg: u8| (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg);
+        assert_eq!(
+            types,
+            vec![16, nft(NFT_MSG_NEWTABLE), nft(NFT_MSG_DELSET), 17]
+        );
     }
 
     #[test]

@@ -168,6 +168,14 @@ pub fn reject(ipv6: bool) -> Expr {
     }))
 }
 
+/// `reject with tcp reset`.
+pub fn reject_tcp_reset() -> Expr {
+    e(Kind::Reject(Reject {
+        r#type: RejectType::TcpRst as i32,
+        code: 0,
+    }))
+}
+
 pub fn verdict(code: VerdictCode, chain: &str) -> Expr {
     e(Kind::Verdict(Verdict {
         code: code as i32,

@@ -1,38 +1,39 @@
 //! From the index to a node's ruleset IR.
 //!
-//! The shape is chosen for the kernel's costs (see DESIGN.md, "nftables facts"): every Service
-//! lives in a few large maps, never in chains of its own, so adding a Service or changing its
-//! endpoints adds map elements and no jump or goto:
+//! The shape is chosen for the kernel's costs (see DESIGN.md, "nftables facts"): Services live
+//! in a few large sets and maps, never in chains of their own, and no rule or element a Service
+//! change touches carries a jump or goto, so the kernel never re-validates the table for it:
 //!
 //! ```text
-//! services:        ip daddr . meta l4proto . th dport map @service-ips vmap @service-dispatch
-//! service-ips:     ClusterIP . proto . port            -> number of endpoints N
-//! service-dispatch: N                                  -> goto endpoints-N   (one per N in use)
-//! endpoints-N:     dnat to ip daddr . meta l4proto . th dport . numgen random mod N
-//!                        map @service-endpoints
-//! service-endpoints: ClusterIP . proto . port . slot   -> endpoint address . port
-//! no-endpoint-services: ClusterIP . proto . port       (rejected in the filter chains)
-//! cluster-ips:     active ClusterIPs (unknown ports are rejected, unallocated addresses in the
-//!                  service CIDRs are dropped)
+//! services:  one rule per endpoint count N in use (1..=16 always):
+//!            ip daddr . meta l4proto . th dport @service-ports-N
+//!              dnat ip to ip daddr . meta l4proto . th dport . numgen random mod N map @service-endpoints
+//! service-ports-N:      ClusterIP . proto . port of the Service ports with N endpoints
+//! service-endpoints:    ClusterIP . proto . port . slot -> endpoint address . port
+//! no-endpoint-services: ClusterIP . proto . port  (refused in the filter chains)
+//! cluster-ips:          active ClusterIPs (unknown ports are refused, unallocated addresses
+//!                       inside the service CIDRs are dropped)
 //! ```
 //!
-//! The only chains that come and go are `endpoints-N`, one per distinct endpoint count, and the
-//! counts 1..=[`PREALLOCATED_COUNTS`] always exist, so in practice none ever does.
+//! A Service added, removed or changing its endpoints moves elements between these sets; a
+//! new endpoint count adds a set and a rule without any jump. Every object is one `nft` can
+//! list, so operators can still read the table with `nft list ruleset`.
 mod endpoints;
 pub mod ir;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use splitproxy_proto::v1::{
-    BaseChain, Chain, ChainType, DataType, Element, Family, Hook, Rule, Ruleset, Set, Table,
+    BaseChain, Chain, ChainType, CmpOp, DataType, Element, Expr, Family, Hook, MetaKey, Rule,
+    Ruleset, Set, Table,
 };
 
 use crate::index::Index;
 pub use endpoints::{ServicePortEndpoints, service_port_endpoints};
 
-/// Endpoint counts whose dispatch chains always exist, so that endpoint changes of ordinary
-/// Services never add a chain or a goto.
+/// Endpoint counts whose sets and rules always exist, so that endpoint changes of ordinary
+/// Services only move elements.
 pub const PREALLOCATED_COUNTS: u32 = 16;
 
 const DSTNAT: i32 = -100;
@@ -85,10 +86,10 @@ fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
     };
     let tuple = vec![addr, DataType::InetProto, DataType::InetService];
     let mut cluster_ips = BTreeSet::new();
-    let mut service_ips = Vec::new();
+    let mut by_count: BTreeMap<u32, Vec<Element>> =
+        (1..=PREALLOCATED_COUNTS).map(|n| (n, Vec::new())).collect();
     let mut endpoints = Vec::new();
     let mut no_endpoints = Vec::new();
-    let mut counts: BTreeSet<u32> = (1..=PREALLOCATED_COUNTS).collect();
 
     for svc in index.services() {
         for &cip in svc.cluster_ips.iter().filter(|ip| ip.is_ipv6() == ipv6) {
@@ -101,8 +102,7 @@ fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
                     ir::port(port.port),
                 ];
                 let comment = format!("{}:{}", svc.key, port.name);
-                let n = eps.endpoints.len() as u32;
-                if n == 0 {
+                if eps.endpoints.is_empty() {
                     no_endpoints.push(Element {
                         key,
                         comment,
@@ -110,7 +110,6 @@ fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
                     });
                     continue;
                 }
-                counts.insert(n);
                 for (slot, (ip, p)) in eps.endpoints.iter().enumerate() {
                     let mut k = key.clone();
                     k.push(ir::int(slot as u32));
@@ -120,9 +119,9 @@ fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
                         ..Default::default()
                     });
                 }
-                service_ips.push(Element {
+                let n = eps.endpoints.len() as u32;
+                by_count.entry(n).or_default().push(Element {
                     key,
-                    data: vec![ir::int(n)],
                     comment,
                     ..Default::default()
                 });
@@ -131,54 +130,53 @@ fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
     }
 
     let mut sets = vec![
-        set("cluster-ips", vec![addr], vec![], "Active ClusterIPs"),
-        set(
-            "no-endpoint-services",
-            tuple.clone(),
-            vec![],
-            "Service ports without endpoints",
-        ),
-        set(
-            "service-ips",
-            tuple.clone(),
-            vec![DataType::Integer],
-            "Service port -> number of endpoints",
-        ),
-        set(
-            "service-dispatch",
-            vec![DataType::Integer],
-            vec![DataType::Verdict],
-            "Number of endpoints -> chain",
-        ),
-        set(
-            "service-endpoints",
-            [tuple.as_slice(), &[DataType::Integer]].concat(),
-            vec![addr, DataType::InetService],
-            "Service port . slot -> endpoint",
-        ),
+        Set {
+            elements: cluster_ips
+                .into_iter()
+                .map(|ip| Element {
+                    key: vec![ir::ip(ip)],
+                    ..Default::default()
+                })
+                .collect(),
+            ..set("cluster-ips", vec![addr], vec![], "Active ClusterIPs")
+        },
+        Set {
+            elements: no_endpoints,
+            ..set(
+                "no-endpoint-services",
+                tuple.clone(),
+                vec![],
+                "Service ports without endpoints",
+            )
+        },
+        Set {
+            elements: endpoints,
+            ..set(
+                "service-endpoints",
+                [tuple.as_slice(), &[DataType::Integer]].concat(),
+                vec![addr, DataType::InetService],
+                "Service port . slot -> endpoint",
+            )
+        },
     ];
-    sets[0].elements = cluster_ips
-        .into_iter()
-        .map(|ip| Element {
-            key: vec![ir::ip(ip)],
-            ..Default::default()
-        })
-        .collect();
-    sets[1].elements = no_endpoints;
-    sets[2].elements = service_ips;
-    sets[3].elements = counts
-        .iter()
-        .map(|n| Element {
-            key: vec![ir::int(*n)],
-            verdict: Some(ir::goto(&format!("endpoints-{n}"))),
-            ..Default::default()
-        })
-        .collect();
-    sets[4].elements = endpoints;
+    let mut services = Vec::new();
+    for (n, elements) in by_count {
+        let name = format!("service-ports-{n}");
+        services.push(dnat_rule(&name, n, ipv6));
+        sets.push(Set {
+            elements,
+            ..set(
+                &name,
+                tuple.clone(),
+                vec![],
+                &format!("Service ports with {n} endpoints"),
+            )
+        });
+    }
 
     let mut chains = base_chains();
-    chains.extend(regular_chains(config, ipv6));
-    chains.extend(counts.iter().map(|n| endpoints_chain(*n, ipv6)));
+    chains.push(chain("services", services));
+    chains.extend(check_chains(config, ipv6));
     Table {
         family: if ipv6 { Family::Ip6 } else { Family::Ip } as i32,
         name: config.table.clone(),
@@ -263,24 +261,24 @@ fn base_chains() -> Vec<Chain> {
     ]
 }
 
-fn regular_chains(config: &RulesConfig, ipv6: bool) -> Vec<Chain> {
+/// The checks on the filter hooks: Service ports without endpoints and unknown ports of
+/// ClusterIPs are refused, unallocated addresses of the service CIDRs dropped.
+fn check_chains(config: &RulesConfig, ipv6: bool) -> Vec<Chain> {
     let (tuple, free) = ir::service_tuple(ipv6);
-    let mut services = tuple.clone();
-    services.push(ir::lookup_map("service-ips", 0, free));
-    services.push(ir::vmap("service-dispatch", free));
-
+    let l4 = free - 2;
     let mut no_ep = tuple;
     no_ep.push(ir::lookup("no-endpoint-services", 0));
-    no_ep.push(ir::reject(ipv6));
-
-    let mut check = vec![Rule {
-        exprs: vec![
-            ir::daddr(ipv6, 0),
-            ir::lookup("cluster-ips", 0),
-            ir::reject(ipv6),
-        ],
-        comment: "Reject traffic to invalid ports of ClusterIPs".into(),
-    }];
+    let unknown_port = vec![
+        ir::daddr(ipv6, 0),
+        ir::lookup("cluster-ips", 0),
+        ir::meta(MetaKey::L4proto, l4),
+    ];
+    let mut check = refused(
+        unknown_port,
+        l4,
+        ipv6,
+        "Reject traffic to invalid ports of ClusterIPs",
+    );
     for net in config
         .service_cidrs
         .iter()
@@ -295,37 +293,53 @@ fn regular_chains(config: &RulesConfig, ipv6: bool) -> Vec<Chain> {
     }
     vec![
         chain(
-            "services",
-            vec![Rule {
-                exprs: services,
-                ..Default::default()
-            }],
-        ),
-        chain(
             "service-endpoints-check",
-            vec![Rule {
-                exprs: no_ep,
-                comment: "Reject traffic to Services without endpoints".into(),
-            }],
+            refused(
+                no_ep,
+                l4,
+                ipv6,
+                "Reject traffic to Services without endpoints",
+            ),
         ),
         chain("cluster-ips-check", check),
     ]
 }
 
-/// `endpoints-N`: pick one of N endpoints at random and DNAT to it.
-fn endpoints_chain(n: u32, ipv6: bool) -> Chain {
+/// Rules that refuse what `matched` selects: TCP with a reset, everything else with ICMP port
+/// unreachable. Both read as "connection refused" to a client; the reset, unlike ICMP, is not
+/// subject to the kernel's per-destination ICMP rate limit, so a client retrying a Service
+/// without endpoints is refused every time, at once. `l4` holds `meta l4proto`.
+fn refused(matched: Vec<Expr>, l4: u32, ipv6: bool, comment: &str) -> Vec<Rule> {
+    let mut tcp = matched.clone();
+    tcp.push(ir::cmp(CmpOp::Eq, l4, vec![6]));
+    tcp.push(ir::reject_tcp_reset());
+    let mut other = matched;
+    other.push(ir::reject(ipv6));
+    vec![
+        Rule {
+            exprs: tcp,
+            comment: comment.into(),
+        },
+        Rule {
+            exprs: other,
+            comment: comment.into(),
+        },
+    ]
+}
+
+/// The rule for Service ports with `n` endpoints: match the port in its set, pick one of the
+/// `n` slots at random, DNAT to the endpoint in that slot.
+fn dnat_rule(set: &str, n: u32, ipv6: bool) -> Rule {
     let (mut exprs, slot) = ir::service_tuple(ipv6);
+    exprs.push(ir::lookup(set, 0));
     exprs.push(ir::numgen_random(n, slot));
     exprs.push(ir::lookup_map("service-endpoints", 0, 0));
     let port_reg = if ipv6 { 4 } else { 1 };
     exprs.push(ir::dnat(ipv6, 0, port_reg));
-    chain(
-        &format!("endpoints-{n}"),
-        vec![Rule {
-            exprs,
-            ..Default::default()
-        }],
-    )
+    Rule {
+        exprs,
+        ..Default::default()
+    }
 }
 
 fn chain(name: &str, rules: Vec<Rule>) -> Chain {

@@ -55,7 +55,7 @@ mod tests {
                 key: key as i32,
                 dreg: 0,
             };
-            assert_eq!(round_trip(Kind::Ct(c.clone())), Kind::Ct(c));
+            assert_eq!(round_trip(Kind::Ct(c)), Kind::Ct(c));
         }
         assert!(matches!(
             encode_err(Kind::Ct(Ct::default())),

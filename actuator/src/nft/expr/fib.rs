@@ -55,7 +55,7 @@ mod tests {
             result: FibResult::Addrtype as i32,
             dreg: 0,
         };
-        assert_eq!(round_trip(Kind::Fib(f.clone())), Kind::Fib(f));
+        assert_eq!(round_trip(Kind::Fib(f)), Kind::Fib(f));
         assert!(matches!(
             encode_err(Kind::Fib(Fib::default())),
             EncodeError::Enum { .. }

@@ -30,7 +30,7 @@ mod tests {
     fn round_trip_plain_and_fully_random() {
         for flags in [0, 16] {
             let m = Masquerade { flags };
-            assert_eq!(round_trip(Kind::Masquerade(m.clone())), Kind::Masquerade(m));
+            assert_eq!(round_trip(Kind::Masquerade(m)), Kind::Masquerade(m));
         }
     }
 }

@@ -72,7 +72,7 @@ mod tests {
                 set: false,
                 sreg: 0,
             };
-            assert_eq!(round_trip(Kind::Meta(m.clone())), Kind::Meta(m));
+            assert_eq!(round_trip(Kind::Meta(m)), Kind::Meta(m));
         }
         let set = Meta {
             key: MetaKey::Mark as i32,
@@ -80,7 +80,7 @@ mod tests {
             set: true,
             sreg: 4,
         };
-        assert_eq!(round_trip(Kind::Meta(set.clone())), Kind::Meta(set));
+        assert_eq!(round_trip(Kind::Meta(set)), Kind::Meta(set));
     }
 
     #[test]

@@ -107,7 +107,7 @@ mod tests {
             reg_proto: 1,
             flags: 0,
         };
-        assert_eq!(round_trip(Kind::Nat(dnat.clone())), Kind::Nat(dnat));
+        assert_eq!(round_trip(Kind::Nat(dnat)), Kind::Nat(dnat));
         let snat = Nat {
             r#type: NatType::Snat as i32,
             family: Family::Ip as i32,
@@ -116,7 +116,7 @@ mod tests {
             flags: 16,
             ..Nat::default()
         };
-        assert_eq!(round_trip(Kind::Nat(snat.clone())), Kind::Nat(snat));
+        assert_eq!(round_trip(Kind::Nat(snat)), Kind::Nat(snat));
     }
 
     #[test]

@@ -60,7 +60,7 @@ mod tests {
             dreg: 0,
         };
         for n in [random, inc] {
-            assert_eq!(round_trip(Kind::Numgen(n.clone())), Kind::Numgen(n));
+            assert_eq!(round_trip(Kind::Numgen(n)), Kind::Numgen(n));
         }
         assert!(matches!(
             encode_err(Kind::Numgen(Numgen::default())),

@@ -63,7 +63,7 @@ mod tests {
                 len,
                 dreg,
             };
-            assert_eq!(round_trip(Kind::Payload(p.clone())), Kind::Payload(p));
+            assert_eq!(round_trip(Kind::Payload(p)), Kind::Payload(p));
         }
     }
 
@@ -75,13 +75,13 @@ mod tests {
             len: 4,
             dreg: 0,
         };
-        let mut p = ok.clone();
+        let mut p = ok;
         p.base = 0;
         assert!(matches!(
             encode_err(Kind::Payload(p)),
             EncodeError::Enum { .. }
         ));
-        let mut p = ok.clone();
+        let mut p = ok;
         p.len = 0;
         assert!(matches!(
             encode_err(Kind::Payload(p)),

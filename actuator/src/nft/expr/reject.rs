@@ -58,7 +58,7 @@ mod tests {
                 r#type: ty as i32,
                 code,
             };
-            assert_eq!(round_trip(Kind::Reject(r.clone())), Kind::Reject(r));
+            assert_eq!(round_trip(Kind::Reject(r)), Kind::Reject(r));
         }
         let bad = Reject {
             r#type: RejectType::IcmpUnreach as i32,
