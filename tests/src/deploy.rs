@@ -210,3 +210,27 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
+
+/// A gRPC client of a brain at `addr` that presents `tls` (CA, certificate, key).
+pub async fn grpc_client(
+    addr: SocketAddr,
+    tls: &TlsFiles,
+) -> Result<splitproxy_proto::v1::dataplane_client::DataplaneClient<tonic::transport::Channel>> {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let cfg = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(&tls.ca)?))
+        .identity(Identity::from_pem(
+            std::fs::read(&tls.cert)?,
+            std::fs::read(&tls.key)?,
+        ))
+        .domain_name("127.0.0.1");
+    let channel = Channel::from_shared(format!("https://{addr}"))?
+        .tls_config(cfg)?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    Ok(
+        splitproxy_proto::v1::dataplane_client::DataplaneClient::new(channel)
+            .max_decoding_message_size(1 << 30),
+    )
+}

@@ -167,6 +167,36 @@ impl Lab {
         Ok(())
     }
 
+    /// Stops the actuator of node `i` (SIGTERM); its rules stay in the kernel.
+    pub fn stop_actuator(&mut self, i: usize) -> Result<()> {
+        self.actuators[i].child.stop()?;
+        Ok(())
+    }
+
+    /// Starts the actuator of node `i` again (it adopts the table it finds).
+    pub fn start_actuator(&mut self, i: usize) -> Result<()> {
+        let node = self.cluster.node(i);
+        self.actuators[i].forwarders.clear(); // free the forwarded ports for the new process
+        self.actuators[i] = Actuator::start(
+            &self.opts.exe,
+            node.netns(),
+            node.name(),
+            &self.brain_addrs,
+            &self.pki,
+            &self.dir,
+        )?;
+        Ok(())
+    }
+
+    /// A gRPC client of brain `i` with the operator's certificate.
+    pub async fn operator_client(
+        &self,
+        i: usize,
+    ) -> Result<splitproxy_proto::v1::dataplane_client::DataplaneClient<tonic::transport::Channel>>
+    {
+        crate::deploy::grpc_client(self.brain(i).grpc, &self.operator_tls).await
+    }
+
     /// Waits until every actuator has applied a first update.
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         for (i, a) in self.actuators.iter().enumerate() {

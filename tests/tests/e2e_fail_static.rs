@@ -1,0 +1,217 @@
+//! Fail static (invariant 1) and restart without disruption (invariant 5), with real traffic:
+//! a node keeps forwarding while the brain is gone, resyncs when it returns, and an actuator
+//! restart neither flushes nor interrupts anything.
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
+use splitproxy_tests::lab::{Lab, LabOptions};
+use splitproxy_tests::{Pod, ProbeResult, Proto, probe_async};
+
+const WEB: &str = "10.96.2.10:80";
+
+async fn setup() -> (Lab, Pod) {
+    let lab = Lab::start(LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab")))
+        .await
+        .expect("lab starts");
+    lab.apply_yaml(&docs(&[
+        namespace("fs"),
+        service("fs", "web", "10.96.2.10", &[("http", "TCP", 80, 8080)]),
+        slice(
+            "fs",
+            "web-1",
+            "web",
+            &[("http", "TCP", 8080)],
+            &[
+                Ep::new("10.244.0.21", "node-0", "web-a"),
+                Ep::new("10.244.1.21", "node-1", "web-b"),
+            ],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let client = lab
+        .ensure_pod(
+            0,
+            "client",
+            "10.244.0.100".parse().unwrap(),
+            &Default::default(),
+            &Default::default(),
+        )
+        .unwrap();
+    let start = Instant::now();
+    while !probe_async(
+        client.netns(),
+        Proto::Tcp,
+        WEB.parse().unwrap(),
+        None,
+        Duration::from_millis(500),
+    )
+    .await
+    .is_answered()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "service never answered"
+        );
+    }
+    (lab, client)
+}
+
+/// Opens new connections back to back until `stop`, bounded by `max` connections; returns
+/// every result that was not an answer, and how many connections were made.
+fn connection_loop(
+    client: Pod,
+    stop: Arc<AtomicBool>,
+    max: usize,
+) -> tokio::task::JoinHandle<(Vec<ProbeResult>, usize)> {
+    tokio::spawn(async move {
+        let dst: SocketAddr = WEB.parse().unwrap();
+        let mut failures = Vec::new();
+        let mut n = 0;
+        while !stop.load(Ordering::Relaxed) && n < max {
+            let r = probe_async(
+                client.netns(),
+                Proto::Tcp,
+                dst,
+                None,
+                Duration::from_secs(2),
+            )
+            .await;
+            if !r.is_answered() {
+                failures.push(r);
+            }
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (failures, n)
+    })
+}
+
+async fn wait_in_sync(lab: &Lab, timeout: Duration) {
+    let start = Instant::now();
+    loop {
+        if let Ok(mut c) = lab.operator_client(0).await
+            && let Ok(r) = c
+                .list_nodes(splitproxy_proto::v1::ListNodesRequest {})
+                .await
+        {
+            let r = r.into_inner();
+            if r.synced && r.nodes.len() == 2 && r.nodes.iter().all(|n| n.connected && n.in_sync) {
+                return;
+            }
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "nodes did not resync within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn brain_outage_keeps_traffic_flowing_and_resync_drops_nothing() {
+    let (mut lab, client) = setup().await;
+    lab.stop_brain(0).unwrap();
+    // New connections still succeed with the brain gone.
+    for _ in 0..20 {
+        let r = probe_async(
+            client.netns(),
+            Proto::Tcp,
+            WEB.parse().unwrap(),
+            None,
+            Duration::from_secs(2),
+        )
+        .await;
+        assert!(r.is_answered(), "with the brain down: {r:?}");
+    }
+    // Give the actuators time to notice and back off.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for i in 0..2 {
+        let m = lab.actuator_metrics(i).unwrap();
+        assert_eq!(
+            splitproxy_tests::deploy::metric(&m, "splitproxy_actuator_connected"),
+            Some(0.0),
+            "node {i} noticed"
+        );
+    }
+
+    // Start the brain again with a connection loop running: not one connection fails.
+    let stop = Arc::new(AtomicBool::new(false));
+    let looper = connection_loop(client.clone(), stop.clone(), 5000);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lab.start_brain(0).unwrap();
+    wait_in_sync(&lab, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (failures, n) = looper.await.unwrap();
+    assert!(n > 20, "the loop made {n} connections");
+    assert!(
+        failures.is_empty(),
+        "{} of {n} connections failed during resync: {failures:?}",
+        failures.len()
+    );
+    // The fresh brain (a new epoch) resynced them with snapshots, diffed against their model.
+    for i in 0..2 {
+        let m = lab.actuator_metrics(i).unwrap();
+        assert!(
+            splitproxy_tests::deploy::metric(&m, "splitproxy_actuator_snapshots_applied_total")
+                .unwrap()
+                >= 2.0
+        );
+        assert_eq!(
+            splitproxy_tests::deploy::metric(&m, "splitproxy_actuator_apply_errors_total"),
+            Some(0.0)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn actuator_restart_keeps_rules_and_drops_nothing() {
+    let (mut lab, client) = setup().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let looper = connection_loop(client.clone(), stop.clone(), 5000);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Exit never flushes: with both actuators stopped, traffic still flows.
+    lab.stop_actuator(0).unwrap();
+    lab.stop_actuator(1).unwrap();
+    let table = lab
+        .cluster
+        .node(0)
+        .netns()
+        .exec_ok(&["nft", "list", "table", "ip", "splitproxy"])
+        .unwrap();
+    assert!(
+        table.contains("10.96.2.10 . tcp . 80"),
+        "rules stay after exit:\n{table}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A restarted actuator adopts its table (one atomic replace) without disruption.
+    lab.start_actuator(0).unwrap();
+    lab.start_actuator(1).unwrap();
+    lab.wait_ready(Duration::from_secs(30)).unwrap();
+    wait_in_sync(&lab, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (failures, n) = looper.await.unwrap();
+    assert!(n > 20, "the loop made {n} connections");
+    assert!(
+        failures.is_empty(),
+        "{} of {n} connections failed across actuator restarts: {failures:?}",
+        failures.len()
+    );
+    let table = lab
+        .cluster
+        .node(0)
+        .netns()
+        .exec_ok(&["nft", "list", "table", "ip", "splitproxy"])
+        .unwrap();
+    assert_eq!(table.matches("table ip splitproxy").count(), 1);
+    assert_eq!(
+        table.matches("10.244.0.21 . 8080").count(),
+        1,
+        "the adopted table holds each element once:\n{table}"
+    );
+}
