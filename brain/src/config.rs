@@ -37,6 +37,10 @@ pub struct Args {
     /// Use streaming lists (sendInitialEvents) for the initial lists; `false` uses paged lists.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub streaming_lists: bool,
+    /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once
+    /// listening; with port 0 this lets a supervisor learn the ports without races.
+    #[arg(long)]
+    pub bound_address_file: Option<PathBuf>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     pub log_format: String,

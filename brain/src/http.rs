@@ -1,6 +1,5 @@
 //! The brain's local HTTP endpoints: Prometheus metrics, liveness, and readiness (ready once
 //! every initial list is complete and while no relist is pending).
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
@@ -10,14 +9,13 @@ use axum::routing::get;
 
 use crate::fanout::Fanout;
 
-pub async fn serve(addr: SocketAddr, fanout: Arc<Fanout>) -> std::io::Result<()> {
+pub async fn serve(listener: tokio::net::TcpListener, fanout: Arc<Fanout>) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(fanout);
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(%addr, "serving metrics and health");
+    tracing::info!(addr = %listener.local_addr()?, "serving metrics and health");
     axum::serve(listener, app).await
 }
 

@@ -57,6 +57,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .build_v1()
         .context("building reflection service")?;
 
+    // Bind both listeners before anything else, so a port conflict fails the start.
+    let grpc = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let metrics = tokio::net::TcpListener::bind(args.metrics_bind_address)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_bind_address))?;
+    let (grpc_addr, metrics_addr) = (grpc.local_addr()?, metrics.local_addr()?);
+    tracing::info!(grpc = %grpc_addr, metrics = %metrics_addr, "listening");
+    if let Some(path) = &args.bound_address_file {
+        std::fs::write(path, format!("grpc={grpc_addr}\nmetrics={metrics_addr}\n"))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+
     tokio::spawn(watch::run(
         client,
         config,
@@ -65,9 +79,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ));
     tokio::spawn({
         let fanout = fanout.clone();
-        let addr = args.metrics_bind_address;
         async move {
-            if let Err(e) = http::serve(addr, fanout).await {
+            if let Err(e) = http::serve(metrics, fanout).await {
                 tracing::error!(error = %e, "metrics server failed");
             }
         }
@@ -90,7 +103,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(1 << 30),
         )
-        .serve_with_shutdown(args.listen, shutdown())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            shutdown(),
+        )
         .await
         .context("gRPC server")?;
     Ok(())

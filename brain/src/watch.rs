@@ -20,10 +20,11 @@ use crate::metrics::Metrics;
 use crate::objects::{self, ObjectKey};
 use crate::rules::{self, NodeView, RulesConfig};
 
+/// Boxed: watch events carry whole objects of very different sizes.
 enum IndexEvent {
-    Service(Event<Service>),
-    Slice(Event<EndpointSlice>),
-    Node(Event<Node>),
+    Service(Box<Event<Service>>),
+    Slice(Box<Event<EndpointSlice>>),
+    Node(Box<Event<Node>>),
 }
 
 /// Watches Services, EndpointSlices and Nodes and keeps `fanout` published until the watches
@@ -72,7 +73,7 @@ fn spawn_watch<K>(
     api: Api<K>,
     wc: watcher::Config,
     tx: mpsc::Sender<IndexEvent>,
-    wrap: fn(Event<K>) -> IndexEvent,
+    wrap: fn(Box<Event<K>>) -> IndexEvent,
     metrics: Arc<Metrics>,
 ) where
     K: kube::Resource
@@ -90,7 +91,7 @@ fn spawn_watch<K>(
         while let Some(item) = stream.next().await {
             match item {
                 Ok(ev) => {
-                    if tx.send(wrap(ev)).await.is_err() {
+                    if tx.send(wrap(Box::new(ev))).await.is_err() {
                         return;
                     }
                 }
@@ -163,9 +164,9 @@ impl IndexState {
 
     fn handle(&mut self, ev: IndexEvent) {
         match ev {
-            IndexEvent::Service(ev) => self.service_event(ev),
-            IndexEvent::Slice(ev) => self.slice_event(ev),
-            IndexEvent::Node(ev) => self.node_event(ev),
+            IndexEvent::Service(ev) => self.service_event(*ev),
+            IndexEvent::Slice(ev) => self.slice_event(*ev),
+            IndexEvent::Node(ev) => self.node_event(*ev),
         }
     }
 

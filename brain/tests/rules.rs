@@ -1010,7 +1010,7 @@ fn generated_cluster_keeps_the_invariants() {
 /// jump (DESIGN.md: every added jump makes the kernel validate the whole table).
 #[test]
 fn churn_moves_elements_not_jumps() {
-    let (services, objects) = generated(7, 300);
+    let (services, objects) = generated(7, 100);
     let mut c = Cluster::new(V4);
     for o in &objects {
         o.apply(&mut c);
@@ -1018,7 +1018,7 @@ fn churn_moves_elements_not_jumps() {
     let mut before = Model::from_ruleset(&c.ruleset());
     let mut rng = Lcg(99);
     let mut chain_changes = 0;
-    for step in 0..200 {
+    for step in 0..150 {
         let s = &services[rng.below(services.len() as u64) as usize];
         let ports: Vec<(&str, &str, i32)> = s
             .ports
@@ -1055,7 +1055,9 @@ fn churn_moves_elements_not_jumps() {
             }
         }
         let rs = c.ruleset();
-        check_invariants(&rs);
+        if step % 10 == 0 {
+            check_invariants(&rs);
+        }
         let after = Model::from_ruleset(&rs);
         let delta = before.diff(&after);
         for t in &delta.upsert {
@@ -1092,8 +1094,91 @@ fn churn_moves_elements_not_jumps() {
         assert_eq!(applied, after, "step {step}: diff then apply");
         before = after;
     }
+    check_invariants(&c.ruleset());
     // The walk did cross the preallocated counts at least once.
     assert!(chain_changes > 0);
+}
+
+/// The invariant checker itself catches what it is meant to catch.
+#[test]
+fn invariant_checker_catches_violations() {
+    let mut c = Cluster::new(V4);
+    c.apply_service(service("web", "10.96.0.10", &[("http", "TCP", 80, 8080)]));
+    c.apply_slice(slice(
+        "web-abc",
+        "web",
+        &[("http", "TCP", 8080)],
+        ready_range(1, 3),
+    ));
+    let good = c.ruleset();
+    check_invariants(&good);
+    fn table(rs: &mut Ruleset) -> &mut Table {
+        &mut rs.tables[0]
+    }
+    fn set_mut(t: &Table, name: &str) -> usize {
+        t.sets
+            .iter()
+            .position(|s| s.name == name)
+            .expect("set in the good ruleset")
+    }
+    type Mutation = (&'static str, fn(&mut Ruleset));
+    let mutations: Vec<Mutation> = vec![
+        ("a jump in the services chain", |rs| {
+            let t = table(rs);
+            let i = t.chains.iter().position(|c| c.name == "services").unwrap();
+            let mut r = t.chains[i].rules[0].clone();
+            if let Some(Kind::Nat(_)) = r.exprs.last().and_then(|e| e.kind.clone()) {
+                r.exprs.pop();
+            }
+            let jump = t.chains[0].clone(); // any chain name
+            r.exprs.push(splitproxy_proto::v1::Expr {
+                kind: Some(Kind::Verdict(splitproxy_proto::v1::Verdict {
+                    code: VerdictCode::Jump as i32,
+                    chain: jump.name,
+                })),
+            });
+            t.chains[i].rules.push(r);
+        }),
+        ("a port in two sets", |rs| {
+            let t = table(rs);
+            let from = set_mut(t, "service-ports-3");
+            let e = t.sets[from].elements[0].clone();
+            let to = set_mut(t, "no-endpoint-services");
+            t.sets[to].elements.push(e);
+        }),
+        ("a missing slot", |rs| {
+            let t = table(rs);
+            let i = set_mut(t, "service-endpoints");
+            t.sets[i].elements.remove(1);
+        }),
+        ("a slot too many", |rs| {
+            let t = table(rs);
+            let i = set_mut(t, "service-endpoints");
+            let mut e = t.sets[i].elements[0].clone();
+            e.key[3] = splitproxy_proto::v1::Datum {
+                value: Some(datum::Value::U32(3)),
+            };
+            t.sets[i].elements.push(e);
+        }),
+        ("a missing DNAT rule", |rs| {
+            let t = table(rs);
+            let i = t.chains.iter().position(|c| c.name == "services").unwrap();
+            t.chains[i].rules.remove(2);
+        }),
+        ("a verdict map", |rs| {
+            let t = table(rs);
+            let mut s = t.sets[0].clone();
+            s.name = "dispatch".into();
+            s.data = vec![DataType::Verdict as i32];
+            t.sets.push(s);
+        }),
+    ];
+    for (what, mutate) in mutations {
+        let mut bad = good.clone();
+        mutate(&mut bad);
+        let caught = std::panic::catch_unwind(|| check_invariants(&bad)).is_err();
+        assert!(caught, "check_invariants missed {what}");
+    }
 }
 
 /// Kubernetes allows 63-character namespaces and Service names and 15-character port names,

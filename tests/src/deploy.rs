@@ -13,7 +13,7 @@ use crate::Result;
 use crate::certs::{Pki, TlsFiles};
 use crate::netns::Netns;
 use crate::portfwd::{Forwarder, forward_port};
-use crate::process::{Child, free_port, wait_for_port};
+use crate::process::{Child, wait_for};
 
 /// The port actuators use inside their node namespace to reach brain `i` (forwarded).
 pub fn brain_port_in_node(i: usize) -> u16 {
@@ -55,19 +55,19 @@ impl Brain {
             name,
             &pki.server_cert(&["127.0.0.1", "localhost", name])?,
         )?;
-        let grpc = match grpc {
-            Some(a) => a,
-            None => SocketAddr::from(([127, 0, 0, 1], free_port()?)),
-        };
-        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let bound = dir.join(format!("{name}.addresses"));
+        let _ = std::fs::remove_file(&bound);
+        let listen = grpc.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
         let mut cmd = Command::new(exe);
         cmd.arg("brain")
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .arg("--listen")
-            .arg(grpc.to_string())
+            .arg(listen.to_string())
             .arg("--metrics-bind-address")
-            .arg(metrics.to_string())
+            .arg("127.0.0.1:0")
+            .arg("--bound-address-file")
+            .arg(&bound)
             .arg("--tls-cert")
             .arg(&tls.cert)
             .arg("--tls-key")
@@ -83,22 +83,30 @@ impl Brain {
             cmd.arg("--service-cidr").arg(opts.service_cidrs.join(","));
         }
         let child = Child::spawn(name, cmd, &dir.join(format!("{name}.log")))?;
-        let mut brain = Brain {
+        // The brain writes the addresses it bound, so no other process's port can be mistaken
+        // for it.
+        let addrs = wait_for(Duration::from_secs(30), Duration::from_millis(20), || {
+            let text = std::fs::read_to_string(&bound).ok()?;
+            let get = |k: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(k))
+                    .and_then(|v| v.parse::<SocketAddr>().ok())
+            };
+            Some((get("grpc=")?, get("metrics=")?))
+        });
+        let (grpc, metrics) = match addrs {
+            Ok(a) => a,
+            Err(e) => bail!(
+                "brain did not start listening: {e:#}\n{}",
+                child.log_tail(30)
+            ),
+        };
+        Ok(Brain {
             child,
             grpc,
             metrics,
             tls,
-        };
-        if let Err(e) = wait_for_port(grpc, Duration::from_secs(30)) {
-            bail!(
-                "brain did not listen on {grpc}: {e:#}\n{}",
-                brain.child.log_tail(30)
-            );
-        }
-        if !brain.child.is_running() {
-            bail!("brain exited:\n{}", brain.child.log_tail(30));
-        }
-        Ok(brain)
+        })
     }
 
     /// GET on the brain's HTTP endpoint; returns status code and body.

@@ -188,6 +188,20 @@ impl Lab {
         Ok(())
     }
 
+    /// Cuts node `i`'s connections to the brains (as a network blip would) and lets it
+    /// reconnect: the forwarders close every proxied connection and listen again.
+    pub fn relink_actuator(&mut self, i: usize) -> Result<()> {
+        let ns = self.cluster.node(i).netns();
+        self.actuators[i].forwarders.clear();
+        for (j, b) in self.brain_addrs.iter().enumerate() {
+            let local = SocketAddr::from(([127, 0, 0, 1], crate::deploy::brain_port_in_node(j)));
+            self.actuators[i]
+                .forwarders
+                .push(crate::portfwd::forward_port(ns, local, *b)?);
+        }
+        Ok(())
+    }
+
     /// A gRPC client of brain `i` with the operator's certificate.
     pub async fn operator_client(
         &self,

@@ -215,3 +215,79 @@ async fn actuator_restart_keeps_rules_and_drops_nothing() {
         "the adopted table holds each element once:\n{table}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reconnecting_to_the_same_brain_resumes_with_deltas() {
+    let (mut lab, client) = setup().await;
+    wait_in_sync(&lab, Duration::from_secs(10)).await;
+    let count = |lab: &Lab, name: &str| {
+        splitproxy_tests::deploy::metric(&lab.actuator_metrics(0).unwrap(), name).unwrap()
+    };
+    let snapshots = count(&lab, "splitproxy_actuator_snapshots_applied_total");
+    let deltas = count(&lab, "splitproxy_actuator_deltas_applied_total");
+    assert_eq!(snapshots, 1.0, "a node starts with one snapshot");
+
+    // A blip: node-0's stream breaks; it reconnects to the same brain, which still knows the
+    // generation it acked, so it is not sent a snapshot again.
+    lab.relink_actuator(0).unwrap();
+    let start = Instant::now();
+    loop {
+        let mut c = lab.operator_client(0).await.unwrap();
+        let nodes = c
+            .list_nodes(splitproxy_proto::v1::ListNodesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .nodes;
+        let n0 = nodes.iter().find(|n| n.node == "node-0").unwrap();
+        // The brain records the new connection's peer address.
+        if n0.connected
+            && n0.in_sync
+            && count(&lab, "splitproxy_actuator_connected") == 1.0
+            && start.elapsed() > Duration::from_millis(500)
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "node-0 did not reconnect"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The next change arrives as a delta on top of the resumed generation.
+    lab.apply_yaml(&slice(
+        "fs",
+        "web-1",
+        "web",
+        &[("http", "TCP", 8080)],
+        &[Ep::new("10.244.0.21", "node-0", "web-a")],
+    ))
+    .await
+    .unwrap();
+    let start = Instant::now();
+    loop {
+        let seen = probe_async(
+            client.netns(),
+            Proto::Tcp,
+            WEB.parse().unwrap(),
+            None,
+            Duration::from_millis(500),
+        )
+        .await;
+        if seen.pod() == Some("web-a")
+            && count(&lab, "splitproxy_actuator_deltas_applied_total") > deltas
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the change did not arrive: {seen:?}"
+        );
+    }
+    assert_eq!(
+        count(&lab, "splitproxy_actuator_snapshots_applied_total"),
+        snapshots,
+        "resumed without a snapshot"
+    );
+    assert_eq!(count(&lab, "splitproxy_actuator_apply_errors_total"), 0.0);
+}

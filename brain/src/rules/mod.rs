@@ -101,7 +101,11 @@ fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
                     ir::proto(port.protocol as u8),
                     ir::port(port.port),
                 ];
-                let comment = format!("{}:{}", svc.key, port.name);
+                // nftables keeps at most 127 bytes of comment; these names are ASCII.
+                let comment: String = format!("{}:{}", svc.key, port.name)
+                    .chars()
+                    .take(127)
+                    .collect();
                 if eps.endpoints.is_empty() {
                     no_endpoints.push(Element {
                         key,

@@ -1,5 +1,20 @@
 //! The ruleset the brain produces, as IR: table `ip splitproxy` with its sets, maps, base
-//! chains and rules, and a few elements. Shared by the round-trip and the kernel tests.
+//! chains and rules, and a few elements, in the shape of `brain/src/rules/mod.rs`:
+//!
+//! ```text
+//! services:                one rule per endpoint count N:
+//!                          ip daddr . meta l4proto . th dport @service-ports-N
+//!                            dnat ip to ip daddr . meta l4proto . th dport . numgen random mod N map @service-endpoints
+//! service-endpoints-check: ip daddr . meta l4proto . th dport @no-endpoint-services
+//!                            (meta l4proto tcp reject with tcp reset | reject)
+//! cluster-ips-check:       ip daddr @cluster-ips (meta l4proto tcp reject with tcp reset | reject),
+//!                          ip daddr SERVICE-CIDR drop
+//! base chains:             jump services (nat), ct state new jump ...-check (filter)
+//! ```
+//!
+//! Plus expressions the brain does not use yet, for coverage: a verdict map with goto and drop
+//! elements, fib, dynset with timeout, meta mark set, masquerade, counter.
+//! Shared by the round-trip, cross-check and kernel tests.
 
 use splitproxy_proto::v1::{
     BaseChain, Bitwise, Chain, ChainType, Cmp, CmpOp, Counter, Ct, CtKey, DataType, Dynset,
@@ -80,27 +95,12 @@ fn service_key() -> Vec<Expr> {
     vec![ip_daddr(0), meta(MetaKey::L4proto, 1), th_dport(2)]
 }
 
-/// `ip daddr . meta l4proto . th dport map @service-ips vmap @service-dispatch`.
-pub(crate) fn services_rule() -> Rule {
+/// `ip daddr . meta l4proto . th dport @service-ports-N dnat ip to ip daddr . meta l4proto .
+/// th dport . numgen random mod N map @service-endpoints`: match the Service port in the set of
+/// ports with N endpoints, pick a slot at random, DNAT to the endpoint in that slot.
+pub(crate) fn dnat_rule(n: u32) -> Rule {
     let mut exprs = service_key();
-    exprs.push(e(Kind::Lookup(Lookup {
-        has_dreg: true,
-        dreg: 3,
-        ..lookup("service-ips", 0)
-    })));
-    exprs.push(e(Kind::Lookup(Lookup {
-        verdict: true,
-        ..lookup("service-dispatch", 3)
-    })));
-    Rule {
-        exprs,
-        comment: "dispatch to the service's endpoints".to_owned(),
-    }
-}
-
-/// `dnat ip to ip daddr . meta l4proto . th dport . numgen random mod N map @service-endpoints`.
-pub(crate) fn endpoints_rule(n: u32) -> Rule {
-    let mut exprs = service_key();
+    exprs.push(e(Kind::Lookup(lookup(&format!("service-ports-{n}"), 0))));
     exprs.push(e(Kind::Numgen(Numgen {
         r#type: NumgenType::Random as i32,
         modulus: n,
@@ -123,38 +123,92 @@ pub(crate) fn endpoints_rule(n: u32) -> Rule {
     })));
     Rule {
         exprs,
+        comment: "dispatch to the service's endpoints".to_owned(),
+    }
+}
+
+/// The rule of the `services` chain for Service ports with two endpoints.
+pub(crate) fn services_rule() -> Rule {
+    dnat_rule(2)
+}
+
+/// `meta l4proto tcp reject with tcp reset` after `matched` when `tcp`, else `reject` (ICMP
+/// port unreachable), as the brain refuses connections. `meta l4proto` is in register 1.
+fn refuse(mut exprs: Vec<Expr>, tcp: bool, comment: &str) -> Rule {
+    if tcp {
+        exprs.push(cmp(CmpOp::Eq, 1, &[6]));
+        exprs.push(e(Kind::Reject(Reject {
+            r#type: RejectType::TcpRst as i32,
+            code: 0,
+        })));
+    } else {
+        exprs.push(e(Kind::Reject(Reject {
+            r#type: RejectType::IcmpUnreach as i32,
+            code: 3,
+        })));
+    }
+    Rule {
+        exprs,
+        comment: comment.to_owned(),
+    }
+}
+
+/// `ip daddr . meta l4proto . th dport @no-endpoint-services [meta l4proto tcp reject with
+/// tcp reset | reject]`.
+pub(crate) fn no_endpoints_rule(tcp: bool) -> Rule {
+    let mut exprs = service_key();
+    exprs.push(e(Kind::Lookup(lookup("no-endpoint-services", 0))));
+    refuse(exprs, tcp, "Reject traffic to Services without endpoints")
+}
+
+/// `ip daddr @cluster-ips [meta l4proto tcp reject with tcp reset | reject]`.
+pub(crate) fn unknown_port_rule(tcp: bool) -> Rule {
+    let exprs = vec![
+        ip_daddr(0),
+        e(Kind::Lookup(lookup("cluster-ips", 0))),
+        meta(MetaKey::L4proto, 1),
+    ];
+    refuse(exprs, tcp, "Reject traffic to invalid ports of ClusterIPs")
+}
+
+/// `ct state new jump CHAIN`, the brain's filter base chain rule.
+pub(crate) fn ct_new_jump(chain: &str) -> Rule {
+    Rule {
+        exprs: vec![
+            e(Kind::Ct(Ct {
+                key: CtKey::State as i32,
+                dreg: 0,
+            })),
+            e(Kind::Bitwise(Bitwise {
+                sreg: 0,
+                dreg: 0,
+                mask: 8u32.to_ne_bytes().to_vec(), // NF_CT_STATE_BIT(IP_CT_NEW)
+                xor: vec![0; 4],
+            })),
+            cmp(CmpOp::Neq, 0, &[0; 4]),
+            e(Kind::Verdict(verdict(VerdictCode::Jump, chain))),
+        ],
         comment: String::new(),
     }
 }
 
-/// `ct state new ip daddr . meta l4proto . th dport @no-endpoint-services reject`.
-pub(crate) fn no_endpoints_rule() -> Rule {
-    let mut exprs = vec![
-        e(Kind::Ct(Ct {
-            key: CtKey::State as i32,
-            dreg: 0,
-        })),
-        e(Kind::Bitwise(Bitwise {
-            sreg: 0,
-            dreg: 0,
-            mask: 8u32.to_ne_bytes().to_vec(), // NF_CT_STATE_BIT(IP_CT_NEW)
-            xor: vec![0; 4],
-        })),
-        cmp(CmpOp::Neq, 0, &[0; 4]),
-    ];
-    exprs.extend(service_key());
-    exprs.push(e(Kind::Lookup(lookup("no-endpoint-services", 0))));
-    exprs.push(e(Kind::Reject(Reject {
-        r#type: RejectType::IcmpUnreach as i32,
-        code: 3,
-    })));
+/// `meta l4proto . th dport vmap @nodeport-dispatch`.
+pub(crate) fn nodeport_dispatch_rule() -> Rule {
     Rule {
-        exprs,
-        comment: "services without endpoints".to_owned(),
+        exprs: vec![
+            meta(MetaKey::L4proto, 0),
+            th_dport(1),
+            e(Kind::Lookup(Lookup {
+                verdict: true,
+                ..lookup("nodeport-dispatch", 0)
+            })),
+        ],
+        comment: String::new(),
     }
 }
 
-/// `ip daddr & 255.255.255.0 == 203.0.113.0 counter drop`.
+/// `ip daddr 10.96.0.0/16 counter drop`: unallocated addresses of the service CIDR (the brain
+/// has no counter; the fixture adds one for coverage).
 pub(crate) fn drop_rule() -> Rule {
     Rule {
         exprs: vec![
@@ -162,14 +216,14 @@ pub(crate) fn drop_rule() -> Rule {
             e(Kind::Bitwise(Bitwise {
                 sreg: 0,
                 dreg: 0,
-                mask: vec![255, 255, 255, 0],
+                mask: vec![255, 255, 0, 0],
                 xor: vec![0; 4],
             })),
-            cmp(CmpOp::Eq, 0, &[203, 0, 113, 0]),
+            cmp(CmpOp::Eq, 0, &[10, 96, 0, 0]),
             e(Kind::Counter(Counter {})),
             e(Kind::Verdict(verdict(VerdictCode::Drop, ""))),
         ],
-        comment: String::new(),
+        comment: "Drop traffic to unallocated ClusterIPs".to_owned(),
     }
 }
 
@@ -266,15 +320,17 @@ pub(crate) fn endpoint(
     }
 }
 
-pub(crate) fn service_ip(addr: [u8; 4], p: u32, dport: u32, endpoints: u32) -> Element {
+/// A Service port element of `no-endpoint-services` or `service-ports-N`.
+pub(crate) fn service_port(addr: [u8; 4], p: u32, dport: u32, comment: &str) -> Element {
     Element {
         key: key(addr, p, dport),
-        data: vec![int(endpoints)],
+        comment: comment.to_owned(),
         ..Element::default()
     }
 }
 
-/// The sets and maps, with a few elements.
+/// The sets and maps, with a few elements: kubernetes (2 endpoints), kube-dns (UDP and TCP,
+/// one endpoint), a Service without endpoints.
 pub(crate) fn sets() -> Vec<Set> {
     use DataType::*;
     let service = [Ipv4Addr, InetProto, InetService];
@@ -293,42 +349,37 @@ pub(crate) fn sets() -> Vec<Set> {
                     comment: "kube-system/kube-dns".to_owned(),
                     ..Element::default()
                 },
+                Element {
+                    key: vec![ip4([10, 96, 0, 99])],
+                    ..Element::default()
+                },
             ],
         ),
         set(
             "no-endpoint-services",
             &service,
             &[],
-            vec![Element {
-                key: key([10, 96, 0, 99], TCP, 80),
-                ..Element::default()
-            }],
+            vec![service_port([10, 96, 0, 99], TCP, 80, "default/idle:http")],
         ),
         set(
-            "service-ips",
+            "service-ports-1",
             &service,
-            &[Integer],
+            &[],
             vec![
-                service_ip([10, 96, 0, 1], TCP, 443, 2),
-                service_ip([10, 96, 0, 10], UDP, 53, 1),
+                service_port([10, 96, 0, 10], UDP, 53, "kube-system/kube-dns:dns"),
+                service_port([10, 96, 0, 10], TCP, 53, "kube-system/kube-dns:dns-tcp"),
             ],
         ),
         set(
-            "service-dispatch",
-            &[Integer],
-            &[Verdict],
-            vec![
-                Element {
-                    key: vec![int(1)],
-                    verdict: Some(verdict(VerdictCode::Goto, "endpoints-1")),
-                    ..Element::default()
-                },
-                Element {
-                    key: vec![int(2)],
-                    verdict: Some(verdict(VerdictCode::Goto, "endpoints-2")),
-                    ..Element::default()
-                },
-            ],
+            "service-ports-2",
+            &service,
+            &[],
+            vec![service_port(
+                [10, 96, 0, 1],
+                TCP,
+                443,
+                "default/kubernetes:https",
+            )],
         ),
         set(
             "service-endpoints",
@@ -338,6 +389,24 @@ pub(crate) fn sets() -> Vec<Set> {
                 endpoint([10, 96, 0, 1], TCP, 443, 0, [10, 244, 1, 5], 6443),
                 endpoint([10, 96, 0, 1], TCP, 443, 1, [10, 244, 2, 7], 6443),
                 endpoint([10, 96, 0, 10], UDP, 53, 0, [10, 244, 0, 3], 53),
+                endpoint([10, 96, 0, 10], TCP, 53, 0, [10, 244, 0, 3], 53),
+            ],
+        ),
+        set(
+            "nodeport-dispatch",
+            &[InetProto, InetService],
+            &[Verdict],
+            vec![
+                Element {
+                    key: vec![proto(TCP), port(30443)],
+                    verdict: Some(verdict(VerdictCode::Goto, "services")),
+                    ..Element::default()
+                },
+                Element {
+                    key: vec![proto(UDP), port(30053)],
+                    verdict: Some(verdict(VerdictCode::Drop, "")),
+                    ..Element::default()
+                },
             ],
         ),
         Set {
@@ -372,18 +441,24 @@ fn regular(name: &str, rules: Vec<Rule>) -> Chain {
     }
 }
 
-/// Base chains, each jumping to a regular chain, and the regular chains.
+/// Base chains, jumping to regular chains, and the regular chains.
 pub(crate) fn chains() -> Vec<Chain> {
     use ChainType::{Filter, Nat};
     vec![
-        regular("services", vec![services_rule()]),
-        regular("endpoints-1", vec![endpoints_rule(1)]),
-        regular("endpoints-2", vec![endpoints_rule(2)]),
-        regular("nodeports", vec![]),
+        regular("services", vec![dnat_rule(1), dnat_rule(2)]),
         regular(
-            "filter-services",
-            vec![no_endpoints_rule(), drop_rule(), affinity_rule()],
+            "service-endpoints-check",
+            vec![no_endpoints_rule(true), no_endpoints_rule(false)],
         ),
+        regular(
+            "cluster-ips-check",
+            vec![
+                unknown_port_rule(true),
+                unknown_port_rule(false),
+                drop_rule(),
+            ],
+        ),
+        regular("nodeports", vec![affinity_rule(), nodeport_dispatch_rule()]),
         base(
             "nat-prerouting",
             Hook::Prerouting,
@@ -410,23 +485,42 @@ pub(crate) fn chains() -> Vec<Chain> {
             Hook::Forward,
             Filter,
             -110,
-            vec![jump("filter-services")],
+            vec![
+                ct_new_jump("service-endpoints-check"),
+                ct_new_jump("cluster-ips-check"),
+            ],
         ),
         base(
             "filter-input",
             Hook::Input,
             Filter,
             -110,
-            vec![jump("filter-services")],
+            vec![ct_new_jump("service-endpoints-check")],
         ),
         base(
             "filter-output",
             Hook::Output,
             Filter,
             -110,
-            vec![jump("filter-services")],
+            vec![ct_new_jump("service-endpoints-check")],
+        ),
+        base(
+            "filter-output-post-dnat",
+            Hook::Output,
+            Filter,
+            -90,
+            vec![ct_new_jump("cluster-ips-check")],
         ),
     ]
+}
+
+/// The rules of fixture chain `name`.
+pub(crate) fn rules_of(name: &str) -> Vec<Rule> {
+    chains()
+        .into_iter()
+        .find(|c| c.name == name)
+        .map(|c| c.rules)
+        .unwrap_or_else(|| panic!("no fixture chain {name}"))
 }
 
 pub(crate) fn table() -> Table {

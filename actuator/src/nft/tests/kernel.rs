@@ -1,10 +1,9 @@
 //! The encoder against the real kernel. Every test runs in its own network namespace
 //! (netns.rs) and skips, saying why, where it cannot create one.
 //!
-//! Note on `nft`: nft 1.0.6 cannot print the `services` rule (a map lookup whose result is the
-//! key of a verdict-map lookup); `nft list ruleset` aborts with `netlink_parse_concat_expr:
-//! Assertion 'consumed > 0'`. The kernel holds it fine; the tests check it with a netlink dump
-//! and run `nft` only while that chain is empty.
+//! What the kernel holds is checked twice: with a netlink dump decoded by our own decoders
+//! (dump.rs), and with `nft -j list ruleset` over the whole table, as an operator would read
+//! it: every object the brain produces must be one `nft` can list.
 
 use std::time::Instant;
 
