@@ -507,7 +507,7 @@ mod tests {
         let before = (b.len(), b.byte_len());
         let set = fixture::sets()
             .into_iter()
-            .find(|s| s.name == "service-ips")
+            .find(|s| s.name == "service-ports-1")
             .unwrap();
         let mut elems = set.elements.clone();
         elems.push(Element {

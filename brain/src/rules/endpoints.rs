@@ -30,8 +30,9 @@ pub fn service_port_endpoints(
         else {
             continue;
         };
+        // Addresses of one endpoint are fungible; like kube-proxy, use the first (usable) one.
         for ep in slice.endpoints.iter().filter(|e| e.ready) {
-            for ip in &ep.addresses {
+            if let Some(ip) = ep.addresses.first() {
                 set.insert((*ip, sp.port));
             }
         }

@@ -110,24 +110,28 @@ fn every_message_decodes_with_netlink_packet_netfilter() {
 }
 
 #[test]
-fn service_ips_set_decodes_as_a_concatenated_data_map() {
+fn service_endpoints_map_decodes_as_a_concatenated_data_map() {
     let msgs = parse_all(&fixture_batch());
     let attrs = msgs
         .iter()
         .find_map(|m| match m {
             NfTablesMessage::NewSet(s)
                 if s.attributes
-                    .contains(&SetAttribute::Name("service-ips".to_owned())) =>
+                    .contains(&SetAttribute::Name("service-endpoints".to_owned())) =>
             {
                 Some(s.attributes.clone())
             }
             _ => None,
         })
         .unwrap();
-    assert!(attrs.contains(&SetAttribute::KeyLen(12)));
-    assert!(attrs.contains(&SetAttribute::KeyType((7 << 12) | (12 << 6) | 13)));
-    assert!(attrs.contains(&SetAttribute::DataType(4)));
-    assert!(attrs.contains(&SetAttribute::DataLen(4)));
+    // ipv4_addr . inet_proto . inet_service . mark (the slot), each field in 4 bytes.
+    assert!(attrs.contains(&SetAttribute::KeyLen(16)));
+    assert!(attrs.contains(&SetAttribute::KeyType(
+        (7 << 18) | (12 << 12) | (13 << 6) | 19
+    )));
+    // : ipv4_addr . inet_service
+    assert!(attrs.contains(&SetAttribute::DataType((7 << 6) | 13)));
+    assert!(attrs.contains(&SetAttribute::DataLen(8)));
     assert!(
         attrs
             .iter()
@@ -141,6 +145,73 @@ fn service_ips_set_decodes_as_a_concatenated_data_map() {
 }
 
 #[test]
+fn service_ports_set_decodes_as_a_concatenated_set() {
+    let msgs = parse_all(&fixture_batch());
+    let attrs = msgs
+        .iter()
+        .find_map(|m| match m {
+            NfTablesMessage::NewSet(s)
+                if s.attributes
+                    .contains(&SetAttribute::Name("service-ports-2".to_owned())) =>
+            {
+                Some(s.attributes.clone())
+            }
+            _ => None,
+        })
+        .unwrap();
+    assert!(attrs.contains(&SetAttribute::KeyLen(12)));
+    assert!(attrs.contains(&SetAttribute::KeyType((7 << 12) | (12 << 6) | 13)));
+    assert!(
+        !attrs
+            .iter()
+            .any(|a| matches!(a, SetAttribute::DataType(_) | SetAttribute::DataLen(_)))
+    );
+    assert!(
+        !attrs
+            .iter()
+            .any(|a| matches!(a, SetAttribute::Flags(f) if f.contains(SetFlags::Map)))
+    );
+}
+
+/// The expressions of the one rule in `batch`, in order.
+fn rule_expressions(batch: &Batch) -> Vec<(String, Expressions)> {
+    let msgs = parse_all(batch);
+    let NfTablesMessage::NewRule(r) = &msgs[0] else {
+        panic!("{:?}", msgs[0])
+    };
+    let exprs = r
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RuleAttribute::Expressions(e) => Some(e),
+            _ => None,
+        })
+        .unwrap();
+    exprs
+        .iter()
+        .map(|e| match e {
+            ListAttribute::Element(attrs) => (
+                attrs
+                    .iter()
+                    .find_map(|a| match a {
+                        ExpressionAttribute::Name(n) => Some(n.clone()),
+                        _ => None,
+                    })
+                    .unwrap(),
+                attrs
+                    .iter()
+                    .find_map(|a| match a {
+                        ExpressionAttribute::Data(d) => Some(d.clone()),
+                        _ => None,
+                    })
+                    .unwrap(),
+            ),
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+#[test]
 fn services_rule_expressions_decode() {
     let mut batch = Batch::new();
     batch
@@ -151,32 +222,15 @@ fn services_rule_expressions_decode() {
             &fixture::services_rule(),
         )
         .unwrap();
-    let msgs = parse_all(&batch);
-    let NfTablesMessage::NewRule(r) = &msgs[0] else {
-        panic!()
-    };
-    let exprs = r
-        .attributes
-        .iter()
-        .find_map(|a| match a {
-            RuleAttribute::Expressions(e) => Some(e),
-            _ => None,
-        })
-        .unwrap();
-    let data: Vec<&Expressions> = exprs
-        .iter()
-        .map(|e| match e {
-            ListAttribute::Element(attrs) => attrs
-                .iter()
-                .find_map(|a| match a {
-                    ExpressionAttribute::Data(d) => Some(d),
-                    _ => None,
-                })
-                .unwrap(),
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    assert_eq!(data.len(), 5);
+    let exprs = rule_expressions(&batch);
+    let names: Vec<&str> = exprs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "payload", "meta", "payload", "lookup", "numgen", "lookup", "nat"
+        ]
+    );
+    let data: Vec<&Expressions> = exprs.iter().map(|(_, d)| d).collect();
     let Expressions::Payload(p) = data[0] else {
         panic!("{:?}", data[0])
     };
@@ -190,25 +244,45 @@ fn services_rule_expressions_decode() {
         ]
     );
     assert!(matches!(data[1], Expressions::Meta(_)));
-    let Expressions::Lookup(map) = data[3] else {
+    // `@service-ports-2`: a plain set match on the key in registers 0-2, no result.
+    let Expressions::Lookup(set) = data[3] else {
         panic!("{:?}", data[3])
+    };
+    assert_eq!(
+        set,
+        &vec![
+            Lookup::Set("service-ports-2".to_owned()),
+            Lookup::SourceRegister(Register::Reg32_00),
+        ]
+    );
+    // No decoder for numgen and nat in netlink-packet-netfilter: they stay raw, but named.
+    assert!(
+        matches!(data[4], Expressions::Other { expression_type, .. } if expression_type == "numgen"),
+        "{:?}",
+        data[4]
+    );
+    // `map @service-endpoints`: key . slot in registers 0-3, endpoint into registers 0-1.
+    let Expressions::Lookup(map) = data[5] else {
+        panic!("{:?}", data[5])
     };
     assert_eq!(
         map,
         &vec![
-            Lookup::Set("service-ips".to_owned()),
+            Lookup::Set("service-endpoints".to_owned()),
             Lookup::SourceRegister(Register::Reg32_00),
-            Lookup::DestinationRegister(Register::Reg32_03),
+            Lookup::DestinationRegister(Register::Reg32_00),
         ]
     );
-    let Expressions::Lookup(vmap) = data[4] else {
-        panic!()
-    };
-    assert!(vmap.contains(&Lookup::DestinationRegister(Register::Verdict)));
+    assert!(
+        !exprs
+            .iter()
+            .any(|(_, d)| matches!(d, Expressions::Lookup(l) if l.contains(&Lookup::DestinationRegister(Register::Verdict)))),
+        "no verdict map in the services rule"
+    );
 }
 
 #[test]
-fn verdict_map_elements_decode_with_their_goto() {
+fn verdict_map_elements_decode_with_their_verdicts() {
     let msgs = parse_all(&fixture_batch());
     let lists: Vec<&Vec<SetElementList>> = msgs
         .iter()
@@ -219,7 +293,7 @@ fn verdict_map_elements_decode_with_their_goto() {
         .collect();
     let dispatch = lists
         .iter()
-        .find(|l| l.contains(&SetElementList::Set("service-dispatch".to_owned())))
+        .find(|l| l.contains(&SetElementList::Set("nodeport-dispatch".to_owned())))
         .unwrap();
     let elems = dispatch
         .iter()
@@ -229,20 +303,38 @@ fn verdict_map_elements_decode_with_their_goto() {
         })
         .unwrap();
     assert_eq!(elems.len(), 2);
-    let ListAttribute::Element(first) = &elems[0] else {
-        panic!()
+    let verdict_of = |i: usize| {
+        let ListAttribute::Element(attrs) = &elems[i] else {
+            panic!()
+        };
+        let key = attrs
+            .iter()
+            .find_map(|a| match a {
+                SetElementAttribute::Key(DataAttribute::Value(k)) => Some(k.clone()),
+                _ => None,
+            })
+            .unwrap();
+        let verdict = attrs
+            .iter()
+            .find_map(|a| match a {
+                SetElementAttribute::Data(DataAttribute::Verdict(v)) => Some(format!("{v:?}")),
+                _ => None,
+            })
+            .unwrap();
+        (key, verdict)
     };
+    // tcp . 30443 : goto services, each field padded to 4 bytes.
+    let (key, verdict) = verdict_of(0);
+    assert_eq!(key, [6, 0, 0, 0, 0x76, 0xeb, 0, 0]);
     assert!(
-        first.contains(&SetElementAttribute::Key(DataAttribute::Value(
-            1u32.to_ne_bytes().to_vec()
-        )))
+        verdict.contains("Code(Goto)") && verdict.contains("Chain(\"services\")"),
+        "{verdict}"
     );
-    let verdict = first
-        .iter()
-        .find_map(|a| match a {
-            SetElementAttribute::Data(DataAttribute::Verdict(v)) => Some(v),
-            _ => None,
-        })
-        .unwrap();
-    assert!(format!("{verdict:?}").contains("endpoints-1"));
+    // udp . 30053 : drop (NF_DROP is 0, which the decoder has no name for)
+    let (key, verdict) = verdict_of(1);
+    assert_eq!(key, [17, 0, 0, 0, 0x75, 0x65, 0, 0]);
+    assert!(
+        verdict.contains("Code(Other(0))") && !verdict.contains("Chain("),
+        "{verdict}"
+    );
 }

@@ -1,6 +1,7 @@
 //! Reads rules and set elements back from the kernel with netlink dumps (NLM_F_DUMP), decoded
-//! with the encoder's own test decoders: what the kernel holds must equal the IR we sent.
-//! `nft` cannot print every rule splitproxy loads (see kernel.rs), this can.
+//! with the encoder's own test decoders: what the kernel holds must equal the IR we sent,
+//! down to the expressions `nft` leaves out when it prints a rule (the `meta l4proto tcp`
+//! before `reject with tcp reset`).
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use splitproxy_proto::v1::{Element, Rule, Set};

@@ -36,6 +36,12 @@ fn commit(sock: &mut NftSocket, f: impl FnOnce(&mut Batch)) -> Result<(), Commit
     sock.commit(&batch)
 }
 
+/// Elements in a stable order, to compare sets whatever order the kernel lists them in.
+fn sorted(mut elements: Vec<Element>) -> Vec<Element> {
+    elements.sort_by_key(|e| format!("{e:?}"));
+    elements
+}
+
 fn set_named(name: &str) -> Set {
     fixture::sets()
         .into_iter()
@@ -69,7 +75,7 @@ fn rules_of<'a>(ruleset: &'a Value, chain: &str) -> Vec<&'a Value> {
 #[test]
 fn kernel_loads_the_splitproxy_table() {
     netns::run("kernel_loads_the_splitproxy_table", |ns| {
-        let mut sock = load_fixture();
+        let _sock = load_fixture();
 
         // What the kernel holds is exactly what we sent, rule by rule.
         for chain in fixture::chains() {
@@ -84,8 +90,7 @@ fn kernel_loads_the_splitproxy_table() {
             }
         }
 
-        // nft's view, without the rule it cannot print.
-        commit(&mut sock, |b| b.flush_chain(IP, TABLE, "services")).unwrap();
+        // nft's view of the whole table: it must list every object.
         let rs = ns.ruleset();
         let tables = objects(&rs, "table");
         assert_eq!(tables.len(), 1);
@@ -96,6 +101,7 @@ fn kernel_loads_the_splitproxy_table() {
         assert!(text.contains("comment \"managed by splitproxy\""), "{text}");
 
         let chains = objects(&rs, "chain");
+        assert_eq!(chains.len(), fixture::chains().len());
         for (name, ty, hook, prio) in [
             ("nat-prerouting", "nat", "prerouting", -100),
             ("nat-output", "nat", "output", -100),
@@ -103,6 +109,7 @@ fn kernel_loads_the_splitproxy_table() {
             ("filter-forward", "filter", "forward", -110),
             ("filter-input", "filter", "input", -110),
             ("filter-output", "filter", "output", -110),
+            ("filter-output-post-dnat", "filter", "output", -90),
         ] {
             let c = named(&chains, name);
             assert_eq!(c["type"], ty, "{name}");
@@ -112,10 +119,9 @@ fn kernel_loads_the_splitproxy_table() {
         }
         for name in [
             "services",
-            "endpoints-1",
-            "endpoints-2",
+            "service-endpoints-check",
+            "cluster-ips-check",
             "nodeports",
-            "filter-services",
         ] {
             assert!(
                 named(&chains, name).get("hook").is_none(),
@@ -129,105 +135,197 @@ fn kernel_loads_the_splitproxy_table() {
         let cluster = named(&sets, "cluster-ips");
         assert_eq!(cluster["type"], "ipv4_addr");
         let elems = cluster["elem"].to_string();
-        assert!(elems.contains("10.96.0.1\"") && elems.contains("kube-system/kube-dns"));
+        assert!(
+            elems.contains("10.96.0.1\"") && elems.contains("kube-system/kube-dns"),
+            "{elems}"
+        );
         let none = named(&sets, "no-endpoint-services");
         assert_eq!(none["type"], concat);
         assert_eq!(
-            none["elem"][0]["concat"],
+            none["elem"][0]["elem"]["val"]["concat"],
             serde_json::json!(["10.96.0.99", "tcp", 80])
         );
-        let ips = named(&maps, "service-ips");
-        assert_eq!(ips["type"], concat);
-        assert_eq!(ips["map"], "integer");
-        assert!(
-            ips["elem"]
-                .to_string()
-                .contains(r#"[{"concat":["10.96.0.1","tcp",443]},2]"#)
-        );
-        let dispatch = named(&maps, "service-dispatch");
-        assert_eq!(dispatch["type"], "integer");
-        assert_eq!(dispatch["map"], "verdict");
-        assert!(
-            dispatch["elem"]
-                .to_string()
-                .contains(r#"[2,{"goto":{"target":"endpoints-2"}}]"#)
-        );
+        assert_eq!(none["elem"][0]["elem"]["comment"], "default/idle:http");
+        // One set per endpoint count, holding the Service ports with that many endpoints.
+        for (n, want) in [
+            (
+                1,
+                vec![
+                    serde_json::json!(["10.96.0.10", "tcp", 53]),
+                    serde_json::json!(["10.96.0.10", "udp", 53]),
+                ],
+            ),
+            (2, vec![serde_json::json!(["10.96.0.1", "tcp", 443])]),
+        ] {
+            let s = named(&sets, &format!("service-ports-{n}"));
+            assert_eq!(s["type"], concat);
+            let mut got: Vec<Value> = s["elem"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["elem"]["val"]["concat"].clone())
+                .collect();
+            got.sort_by_key(|v| v.to_string());
+            assert_eq!(got, want, "service-ports-{n}");
+        }
         let endpoints = named(&maps, "service-endpoints");
+        // Integers in concatenations are announced as marks (see datum.rs).
         assert_eq!(
             endpoints["type"],
             serde_json::json!(["ipv4_addr", "inet_proto", "inet_service", "mark"])
         );
         assert_eq!(endpoints["map"], "ipv4_addr . inet_service");
-        assert!(
-            endpoints["elem"].to_string().contains(
-                r#"[{"concat":["10.96.0.1","tcp",443,1]},{"concat":["10.244.2.7",6443]}]"#
-            )
+        let endpoint_elems = endpoints["elem"].as_array().unwrap();
+        assert_eq!(endpoint_elems.len(), 4);
+        for want in [
+            r#"[{"concat":["10.96.0.1","tcp",443,0]},{"concat":["10.244.1.5",6443]}]"#,
+            r#"[{"concat":["10.96.0.1","tcp",443,1]},{"concat":["10.244.2.7",6443]}]"#,
+            r#"[{"concat":["10.96.0.10","udp",53,0]},{"concat":["10.244.0.3",53]}]"#,
+            r#"[{"concat":["10.96.0.10","tcp",53,0]},{"concat":["10.244.0.3",53]}]"#,
+        ] {
+            let want: Value = serde_json::from_str(want).unwrap();
+            assert!(
+                endpoint_elems.contains(&want),
+                "{want} not in {}",
+                endpoints["elem"]
+            );
+        }
+        let dispatch = named(&maps, "nodeport-dispatch");
+        assert_eq!(
+            dispatch["type"],
+            serde_json::json!(["inet_proto", "inet_service"])
         );
+        assert_eq!(dispatch["map"], "verdict");
+        let dispatch_elems = dispatch["elem"].to_string();
+        for want in [
+            r#"[{"concat":["tcp",30443]},{"goto":{"target":"services"}}]"#,
+            r#"[{"concat":["udp",30053]},{"drop":null}]"#,
+        ] {
+            assert!(
+                dispatch_elems.contains(want),
+                "{want} not in {dispatch_elems}"
+            );
+        }
         let affinity = named(&sets, "affinity");
         assert_eq!(affinity["timeout"], 10800);
 
-        let text = |chain| {
+        let exprs = |chain| -> Vec<Value> {
             rules_of(&rs, chain)
                 .iter()
-                .map(|r| r["expr"].to_string())
-                .collect::<Vec<_>>()
+                .map(|r| r["expr"].clone())
+                .collect()
         };
-        let ep = text("endpoints-2");
-        assert_eq!(ep.len(), 1);
-        for word in [
-            "\"dnat\"",
-            "\"numgen\"",
-            "\"random\"",
-            "@service-endpoints",
-            "\"mod\":2",
-        ] {
-            assert!(ep[0].contains(word), "endpoints-2 lacks {word}: {}", ep[0]);
+        let text = |chain| -> Vec<String> { exprs(chain).iter().map(Value::to_string).collect() };
+
+        // The services chain: per endpoint count, the set match, then DNAT through the map
+        // keyed by the Service port and a random slot below the count.
+        let services = exprs("services");
+        assert_eq!(services.len(), 2);
+        let key = serde_json::json!({"concat": [
+            {"payload": {"protocol": "ip", "field": "daddr"}},
+            {"meta": {"key": "l4proto"}},
+            {"payload": {"protocol": "th", "field": "dport"}},
+        ]});
+        for (n, rule) in [1, 2].into_iter().zip(&services) {
+            assert_eq!(
+                rule[0]["match"],
+                serde_json::json!({"op": "==", "left": key, "right": format!("@service-ports-{n}")}),
+                "services rule {n}: {rule}"
+            );
+            let mut slot_key = key.clone();
+            slot_key["concat"]
+                .as_array_mut()
+                .unwrap()
+                .push(serde_json::json!({"numgen": {"mode": "random", "mod": n, "offset": 0}}));
+            assert_eq!(
+                rule[1]["dnat"],
+                serde_json::json!({
+                    "family": "ip",
+                    "addr": {"map": {"key": slot_key, "data": "@service-endpoints"}},
+                }),
+                "services rule {n}: {rule}"
+            );
+            assert_eq!(rule.as_array().unwrap().len(), 2, "{rule}");
         }
-        let filter = text("filter-services");
-        assert_eq!(filter.len(), 3);
-        for word in [
-            "\"ct\"",
-            "\"new\"",
-            "@no-endpoint-services",
-            "\"reject\"",
-            "\"icmp\"",
-        ] {
+        // nft reads the rules the way the brain's renderer prints them (the golden files).
+        let fixture_table = fixture::table();
+        let ctx = splitproxy_proto::render::Context::of(&fixture_table);
+        let listed = ns.nft(&["list", "chain", "ip", TABLE, "services"]);
+        for r in fixture::rules_of("services") {
+            let line = splitproxy_proto::render::rule_in(&ctx, &r);
             assert!(
-                filter[0].contains(word),
-                "reject rule lacks {word}: {}",
-                filter[0]
+                listed.lines().any(|l| l.trim() == line),
+                "`{line}` not listed by nft:\n{listed}"
             );
         }
-        for word in ["203.0.113.0", "\"len\":24", "\"counter\"", "\"drop\""] {
-            assert!(
-                filter[1].contains(word),
-                "drop rule lacks {word}: {}",
-                filter[1]
-            );
+
+        // Refused: TCP with a reset, the rest with ICMP port unreachable. (nft hides the
+        // `meta l4proto tcp` match as the dependency of the reset; the dump above holds it.)
+        for chain in ["service-endpoints-check", "cluster-ips-check"] {
+            let rules = text(chain);
+            let set = if chain == "cluster-ips-check" {
+                "@cluster-ips"
+            } else {
+                "@no-endpoint-services"
+            };
+            for (i, reject) in [
+                r#"{"reject":{"type":"tcp reset"}}"#,
+                r#"{"reject":{"expr":"port-unreachable","type":"icmp"}}"#,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                assert!(
+                    rules[i].contains(set) && rules[i].contains(reject),
+                    "{chain} rule {i} lacks {set} or {reject}: {}",
+                    rules[i]
+                );
+            }
         }
-        for word in ["@affinity", "\"update\"", "\"mark\""] {
+        let drop = &text("cluster-ips-check")[2];
+        for word in [
+            r#"{"prefix":{"addr":"10.96.0.0","len":16}}"#,
+            "\"counter\"",
+            "\"drop\"",
+        ] {
+            assert!(drop.contains(word), "drop rule lacks {word}: {drop}");
+        }
+
+        let nodeports = text("nodeports");
+        for word in ["@affinity", "\"update\"", "\"mark\"", "\"timeout\":10800"] {
             assert!(
-                filter[2].contains(word),
+                nodeports[0].contains(word),
                 "affinity rule lacks {word}: {}",
-                filter[2]
+                nodeports[0]
             );
         }
+        assert!(
+            nodeports[1].contains(r#""vmap":{"data":"@nodeport-dispatch""#),
+            "{}",
+            nodeports[1]
+        );
         let pre = text("nat-prerouting");
         assert!(pre[0].contains(r#""jump":{"target":"services"}"#));
         assert!(pre[1].contains("\"fib\"") && pre[1].contains("local"));
+        assert!(text("nat-output")[0].contains(r#""jump":{"target":"services"}"#));
         assert!(text("nat-postrouting")[0].contains("\"masquerade\""));
-        assert!(text("filter-input")[0].contains(r#""jump":{"target":"filter-services"}"#));
-
-        // And the services rule goes back in.
-        commit(&mut sock, |b| {
-            b.add_rule(IP, TABLE, "services", &fixture::services_rule())
-                .unwrap()
-        })
-        .unwrap();
-        assert_eq!(
-            dump::rules(NFPROTO_IPV4, TABLE, "services"),
-            vec![fixture::services_rule()]
-        );
+        let ct_new = r#"{"match":{"left":{"ct":{"key":"state"}},"op":"in","right":"new"}}"#;
+        for (chain, targets) in [
+            (
+                "filter-forward",
+                &["service-endpoints-check", "cluster-ips-check"][..],
+            ),
+            ("filter-input", &["service-endpoints-check"][..]),
+            ("filter-output", &["service-endpoints-check"][..]),
+            ("filter-output-post-dnat", &["cluster-ips-check"][..]),
+        ] {
+            let rules = text(chain);
+            assert_eq!(rules.len(), targets.len(), "{chain}");
+            for (r, target) in rules.iter().zip(targets) {
+                let jump = format!(r#""jump":{{"target":"{target}"}}"#);
+                assert!(r.contains(ct_new) && r.contains(&jump), "{chain}: {r}");
+            }
+        }
     });
 }
 
@@ -268,7 +366,7 @@ fn kernel_rejected_batch_is_atomic_and_names_the_message() {
             assert!(!dump::elements(NFPROTO_IPV4, TABLE, &cluster).contains(&new_ip));
             assert_eq!(
                 dump::rules(NFPROTO_IPV4, TABLE, "services"),
-                vec![fixture::services_rule()]
+                fixture::rules_of("services")
             );
 
             // An element for a set that does not exist.
@@ -290,11 +388,11 @@ fn kernel_rejected_batch_is_atomic_and_names_the_message() {
 
             // The third element clashes with an existing one (same key, other data): the kernel
             // points at it, and the two new elements before it are not applied either.
-            let ips = set_named("service-ips");
+            let ips = set_named("service-endpoints");
             let elems = vec![
-                fixture::service_ip([10, 96, 1, 1], TCP, 80, 1),
-                fixture::service_ip([10, 96, 1, 2], TCP, 80, 1),
-                fixture::service_ip([10, 96, 0, 1], TCP, 443, 7),
+                fixture::endpoint([10, 96, 1, 1], TCP, 80, 0, [10, 244, 9, 1], 80),
+                fixture::endpoint([10, 96, 1, 2], TCP, 80, 0, [10, 244, 9, 2], 80),
+                fixture::endpoint([10, 96, 0, 1], TCP, 443, 1, [10, 244, 9, 3], 6443),
             ];
             let err = commit(&mut sock, |b| {
                 b.add_elements(IP, TABLE, &ips, &elems).unwrap()
@@ -388,7 +486,7 @@ fn kernel_deletes_elements() {
     netns::run("kernel_deletes_elements", |ns| {
         let mut sock = load_fixture();
         let cluster = set_named("cluster-ips");
-        let dispatch = set_named("service-dispatch");
+        let dispatch = set_named("nodeport-dispatch");
         let endpoints = set_named("service-endpoints");
         commit(&mut sock, |b| {
             b.del_elements(IP, TABLE, &cluster, &cluster.elements[..1])
@@ -399,17 +497,19 @@ fn kernel_deletes_elements() {
                 .unwrap();
         })
         .unwrap();
+        // The kernel lists hashed elements in its own order.
         assert_eq!(
-            dump::elements(NFPROTO_IPV4, TABLE, &cluster),
-            cluster.elements[1..]
+            sorted(dump::elements(NFPROTO_IPV4, TABLE, &cluster)),
+            sorted(cluster.elements[1..].to_vec())
         );
         assert_eq!(
-            dump::elements(NFPROTO_IPV4, TABLE, &dispatch),
-            dispatch.elements[..1]
+            sorted(dump::elements(NFPROTO_IPV4, TABLE, &dispatch)),
+            sorted(dispatch.elements[..1].to_vec())
         );
-        let left = dump::elements(NFPROTO_IPV4, TABLE, &endpoints);
-        assert_eq!(left.len(), 2);
-        assert!(!left.contains(&endpoints.elements[2]));
+        assert_eq!(
+            sorted(dump::elements(NFPROTO_IPV4, TABLE, &endpoints)),
+            sorted(endpoints.elements[..2].to_vec())
+        );
 
         // Deleting an element that is not there fails, and names the set.
         let err = commit(&mut sock, |b| {
@@ -424,10 +524,22 @@ fn kernel_deletes_elements() {
             "{err}"
         );
 
-        commit(&mut sock, |b| b.flush_chain(IP, TABLE, "services")).unwrap();
         let rs = ns.ruleset();
         let cluster_json = named(&objects(&rs, "set"), "cluster-ips")["elem"].to_string();
-        assert!(!cluster_json.contains("\"10.96.0.1\"") && cluster_json.contains("10.96.0.10"));
+        assert!(
+            !cluster_json.contains("\"10.96.0.1\"") && cluster_json.contains("10.96.0.10"),
+            "{cluster_json}"
+        );
+        let dispatch_json = named(&objects(&rs, "map"), "nodeport-dispatch")["elem"].to_string();
+        assert!(
+            dispatch_json.contains("30443") && !dispatch_json.contains("30053"),
+            "{dispatch_json}"
+        );
+        let endpoints_json = named(&objects(&rs, "map"), "service-endpoints")["elem"].to_string();
+        assert!(
+            endpoints_json.contains("10.244.2.7") && !endpoints_json.contains("10.244.0.3"),
+            "{endpoints_json}"
+        );
     });
 }
 
@@ -436,41 +548,51 @@ fn kernel_flush_chain_and_readd_rules() {
     netns::run("kernel_flush_chain_and_readd_rules", |_| {
         let mut sock = load_fixture();
         commit(&mut sock, |b| {
-            b.flush_chain(IP, TABLE, "filter-services");
-            b.flush_chain(IP, TABLE, "endpoints-2");
+            b.flush_chain(IP, TABLE, "service-endpoints-check");
+            b.flush_chain(IP, TABLE, "services");
         })
         .unwrap();
-        assert!(dump::rules(NFPROTO_IPV4, TABLE, "filter-services").is_empty());
-        assert!(dump::rules(NFPROTO_IPV4, TABLE, "endpoints-2").is_empty());
-        assert_eq!(dump::rules(NFPROTO_IPV4, TABLE, "endpoints-1").len(), 1);
+        assert!(dump::rules(NFPROTO_IPV4, TABLE, "service-endpoints-check").is_empty());
+        assert!(dump::rules(NFPROTO_IPV4, TABLE, "services").is_empty());
+        assert_eq!(
+            dump::rules(NFPROTO_IPV4, TABLE, "cluster-ips-check"),
+            fixture::rules_of("cluster-ips-check")
+        );
 
         // Replace a chain's rules in one transaction: flush, then the new rules, in order.
-        let new_rules = vec![fixture::drop_rule(), fixture::no_endpoints_rule()];
+        let new_rules = vec![fixture::drop_rule(), fixture::no_endpoints_rule(false)];
+        let services = vec![
+            fixture::dnat_rule(1),
+            fixture::dnat_rule(2),
+            fixture::dnat_rule(3),
+        ];
         commit(&mut sock, |b| {
-            b.flush_chain(IP, TABLE, "filter-services");
+            b.flush_chain(IP, TABLE, "service-endpoints-check");
             for r in &new_rules {
-                b.add_rule(IP, TABLE, "filter-services", r).unwrap();
+                b.add_rule(IP, TABLE, "service-endpoints-check", r).unwrap();
             }
-            b.add_rule(IP, TABLE, "endpoints-2", &fixture::endpoints_rule(2))
-                .unwrap();
+            // A new endpoint count: its set and its rule, no jump.
+            let mut ports3 = set_named("service-ports-2");
+            ports3.name = "service-ports-3".to_owned();
+            b.add_set(IP, TABLE, &ports3).unwrap();
+            for r in &services {
+                b.add_rule(IP, TABLE, "services", r).unwrap();
+            }
         })
         .unwrap();
         assert_eq!(
-            dump::rules(NFPROTO_IPV4, TABLE, "filter-services"),
+            dump::rules(NFPROTO_IPV4, TABLE, "service-endpoints-check"),
             new_rules
         );
-        assert_eq!(
-            dump::rules(NFPROTO_IPV4, TABLE, "endpoints-2"),
-            vec![fixture::endpoints_rule(2)]
-        );
+        assert_eq!(dump::rules(NFPROTO_IPV4, TABLE, "services"), services);
 
         // A chain can be deleted once empty and unreferenced.
         commit(&mut sock, |b| {
-            b.flush_chain(IP, TABLE, "filter-services");
+            b.flush_chain(IP, TABLE, "service-endpoints-check");
             for base in ["filter-forward", "filter-input", "filter-output"] {
                 b.flush_chain(IP, TABLE, base);
             }
-            b.del_chain(IP, TABLE, "filter-services");
+            b.del_chain(IP, TABLE, "service-endpoints-check");
         })
         .unwrap();
     });
@@ -640,6 +762,7 @@ fn kernel_loads_an_ip6_table() {
                 fixture::payload(PayloadBase::Network, 24, 16, 0),
                 fixture::meta(splitproxy_proto::v1::MetaKey::L4proto, 4),
                 fixture::th_dport(5),
+                e(Kind::Lookup(fixture::lookup("service-ports-1", 0))),
                 e(Kind::Numgen(Numgen {
                     r#type: NumgenType::Random as i32,
                     modulus: 1,
@@ -663,14 +786,23 @@ fn kernel_loads_an_ip6_table() {
             ],
             comment: String::new(),
         };
+        let ports = Set {
+            name: "service-ports-1".to_owned(),
+            key: vec![Ipv6Addr as i32, InetProto as i32, InetService as i32],
+            elements: vec![Element {
+                key: vec![six(1), proto(TCP), port(443)],
+                ..Element::default()
+            }],
+            ..Set::default()
+        };
         let table = Table {
             family: Family::Ip6 as i32,
             name: TABLE.to_owned(),
             comment: String::new(),
-            sets: vec![map],
+            sets: vec![map, ports],
             chains: vec![
                 Chain {
-                    name: "endpoints-1".to_owned(),
+                    name: "services".to_owned(),
                     rules: vec![rule.clone()],
                     ..Chain::default()
                 },
@@ -682,7 +814,7 @@ fn kernel_loads_an_ip6_table() {
                         priority: -100,
                         policy_drop: false,
                     }),
-                    rules: vec![fixture::jump("endpoints-1")],
+                    rules: vec![fixture::jump("services")],
                     ..Chain::default()
                 },
             ],
@@ -691,7 +823,7 @@ fn kernel_loads_an_ip6_table() {
         let mut batch = Batch::new();
         fixture::add_table(&mut batch, &table).unwrap();
         sock.commit(&batch).unwrap();
-        assert_eq!(dump::rules(NFPROTO_IPV6, TABLE, "endpoints-1"), vec![rule]);
+        assert_eq!(dump::rules(NFPROTO_IPV6, TABLE, "services"), vec![rule]);
         let rs = ns.ruleset();
         let m = named(&objects(&rs, "map"), "service-endpoints");
         assert_eq!(m["family"], "ip6");
@@ -701,8 +833,21 @@ fn kernel_loads_an_ip6_table() {
             "{}",
             m["elem"]
         );
-        let r = rules_of(&rs, "endpoints-1")[0]["expr"].to_string();
-        assert!(r.contains("\"dnat\"") && r.contains("\"ip6\""), "{r}");
+        let p = named(&objects(&rs, "set"), "service-ports-1");
+        assert_eq!(
+            p["elem"][0]["concat"],
+            serde_json::json!(["fd00:96::1", "tcp", 443])
+        );
+        let r = rules_of(&rs, "services")[0]["expr"].to_string();
+        for word in [
+            "\"dnat\"",
+            "\"ip6\"",
+            "@service-ports-1",
+            "@service-endpoints",
+            "\"numgen\"",
+        ] {
+            assert!(r.contains(word), "services rule lacks {word}: {r}");
+        }
     });
 }
 
