@@ -5,7 +5,8 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use splitproxy_proto::digest::element_key_bytes;
+use prost::Message;
+use splitproxy_proto::model::element_key_bytes;
 use splitproxy_proto::model::{Model, TableKey, family_name};
 use splitproxy_proto::v1::{Family, RulesetDelta, Update, update::Body};
 
@@ -224,7 +225,7 @@ impl Applier {
                     .filter(|e| {
                         sm.elements
                             .get(&element_key_bytes(e))
-                            .is_some_and(|old| old != *e)
+                            .is_some_and(|old| old[..] != e.encode_to_vec()[..])
                     })
                     .cloned()
                     .collect();

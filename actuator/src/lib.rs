@@ -8,6 +8,7 @@ pub mod health;
 pub mod metrics;
 pub mod nft;
 pub mod run;
+pub mod virtual_fleet;
 
 /// Installs the tracing subscriber: `RUST_LOG` filters, `format` is "text" or "json".
 pub fn init_logging(format: &str) {

@@ -1,6 +1,8 @@
 //! The actuator's Prometheus metrics, under kube-proxy's names where the meaning is the same so
 //! that existing dashboards keep working.
 use std::fmt::Write;
+
+use splitproxy_proto::prom::Histogram;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -13,47 +15,6 @@ const NPL_BUCKETS: &[f64] = &[
     0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
     20.0, 25.0, 30.0, 45.0, 60.0, 120.0, 300.0,
 ];
-
-#[derive(Debug, Clone)]
-pub struct Histogram {
-    buckets: &'static [f64],
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    fn new(buckets: &'static [f64]) -> Self {
-        Histogram {
-            buckets,
-            counts: vec![0; buckets.len()],
-            sum: 0.0,
-            count: 0,
-        }
-    }
-
-    pub fn observe(&mut self, v: f64) {
-        for (i, b) in self.buckets.iter().enumerate() {
-            if v <= *b {
-                self.counts[i] += 1;
-            }
-        }
-        self.sum += v;
-        self.count += 1;
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (b, c) in self.buckets.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
-            self.count, self.sum, self.count
-        );
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Inner {

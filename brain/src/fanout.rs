@@ -1,17 +1,21 @@
 //! Desired state and per-node streams.
 //!
-//! The index task publishes a new [`Desired`] (one model per node variant) through a `watch`
-//! channel; a node's session waits for its previous update to be acked, then sends whatever
-//! changed since, so a slow node is never queued more than one update and always gets the
-//! coalesced latest state (invariant 8). Deltas between two published versions are computed once
-//! and shared by every node that stands at the same version.
-use std::collections::{HashMap, VecDeque};
+//! The index task publishes a new [`Desired`] (one persistent model per node variant) through a
+//! `watch` channel; a node's session waits for its previous update to be acked, then sends
+//! whatever changed since, so a slow node is never queued more than one update and always gets
+//! the coalesced latest state (invariant 8).
+//!
+//! Every distinct update body (a delta between two published versions of a variant, or a
+//! snapshot of one) is computed and encoded once and shared, as bytes, by every node that needs
+//! it; per node the brain only writes a few header fields (see `splitproxy_proto::frames`).
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use prost::Message;
+use bytes::Bytes;
+use splitproxy_proto::frames::{UpdateFrame, encode_shared};
 use splitproxy_proto::model::Model;
-use splitproxy_proto::v1::{Ack, RulesetDelta, Update, update::Body};
+use splitproxy_proto::v1::{Ack, update::Body};
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
@@ -20,8 +24,10 @@ use crate::rules::NodeView;
 /// Changes remembered for trigger times and object names; a node further behind than this gets
 /// the state without the older trigger times.
 const CHANGE_LOG: usize = 4096;
-/// Deltas cached between published versions.
-const DELTA_CACHE: usize = 256;
+/// Encoded update bodies kept for reuse.
+const BODY_CACHE: usize = 512;
+/// Publications whose fan-out is still being timed.
+const FANOUT_TRACKED: usize = 1024;
 
 /// One published desired state.
 #[derive(Debug, Clone, Default)]
@@ -53,12 +59,23 @@ pub struct NodeState {
     pub last_error: String,
 }
 
+/// Identifies an encoded body: (base version or 0 for a snapshot, target version, variant).
+type BodyKey = (u64, u64, NodeView);
+
+/// A publication whose fan-out is being timed: nodes that were connected when it was published
+/// and have not acked it (or anything newer) yet.
+struct Pending {
+    published: Instant,
+    waiting: HashSet<String>,
+}
+
 pub struct Fanout {
     pub epoch: u64,
     desired_tx: watch::Sender<Arc<Desired>>,
     synced_tx: watch::Sender<bool>,
     changes: Mutex<VecDeque<Change>>,
-    deltas: Mutex<HashMap<(u64, u64, NodeView), Arc<RulesetDelta>>>,
+    bodies: Mutex<HashMap<BodyKey, Bytes>>,
+    pending: Mutex<BTreeMap<u64, Pending>>,
     pub nodes: Mutex<HashMap<String, NodeState>>,
     pub metrics: Arc<Metrics>,
 }
@@ -77,14 +94,15 @@ impl Fanout {
             desired_tx,
             synced_tx,
             changes: Mutex::new(VecDeque::new()),
-            deltas: Mutex::new(HashMap::new()),
+            bodies: Mutex::new(HashMap::new()),
+            pending: Mutex::new(BTreeMap::new()),
             nodes: Mutex::new(HashMap::new()),
             metrics,
         })
     }
 
-    /// Publishes a new desired state. No-op publications (same models) are dropped, so nothing
-    /// reaches the streams.
+    /// Publishes a new desired state. A publication that changes no variant's content is
+    /// dropped, so nothing reaches the streams.
     pub fn publish(
         &self,
         variants: HashMap<NodeView, Arc<Model>>,
@@ -92,7 +110,15 @@ impl Fanout {
         objects: Vec<String>,
     ) {
         let current = self.desired_tx.borrow().clone();
-        if current.version > 0 && current.variants == variants {
+        let unchanged = current.version > 0
+            && current.variants.len() == variants.len()
+            && variants.iter().all(|(v, m)| {
+                current
+                    .variants
+                    .get(v)
+                    .is_some_and(|c| c.digest() == m.digest())
+            });
+        if unchanged {
             return;
         }
         let version = current.version + 1;
@@ -106,6 +132,33 @@ impl Fanout {
                 log.pop_front();
             }
         }
+        let waiting: HashSet<String> = self
+            .nodes
+            .lock()
+            .map(|n| {
+                n.iter()
+                    .filter(|(_, s)| s.connected)
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !waiting.is_empty()
+            && let Ok(mut p) = self.pending.lock()
+        {
+            p.insert(
+                version,
+                Pending {
+                    published: Instant::now(),
+                    waiting,
+                },
+            );
+            while p.len() > FANOUT_TRACKED {
+                p.pop_first();
+            }
+        }
+        self.metrics
+            .publications
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.desired_tx
             .send_replace(Arc::new(Desired { version, variants }));
     }
@@ -135,77 +188,81 @@ impl Fanout {
         NodeView::default()
     }
 
-    /// Builds the next update for a node standing at `base` (version and model), towards
-    /// `desired`. `None` when the node already holds the desired model.
+    /// The next update for a node standing at `base` (version and model), towards `desired`;
+    /// `None` when the node already holds the desired model.
     pub fn next_update(
         &self,
         node: &str,
         base: Option<&(u64, Arc<Model>)>,
         desired: &Desired,
-    ) -> Option<(Update, Arc<Model>)> {
+    ) -> Option<(UpdateFrame, Arc<Model>)> {
         let view = self.view_of(node);
         let target = desired.variants.get(&view)?.clone();
-        let body = match base {
-            Some((_, model)) if Arc::ptr_eq(model, &target) || **model == *target => return None,
-            Some((version, model)) => {
-                let key = (*version, desired.version, view);
-                let cached = self.deltas.lock().ok().and_then(|c| c.get(&key).cloned());
-                let delta = cached.unwrap_or_else(|| {
-                    let d = Arc::new(model.diff(&target));
-                    if let Ok(mut c) = self.deltas.lock() {
-                        if c.len() >= DELTA_CACHE {
-                            c.clear();
-                        }
-                        c.insert(key, d.clone());
-                    }
-                    d
-                });
-                Body::Delta((*delta).clone())
-            }
-            None => Body::Snapshot(target.to_ruleset()),
-        };
-        let since = base.map(|(v, _)| *v).unwrap_or(0);
-        let (trigger_times, objects) = self.changes_between(since, desired.version);
-        let generation = {
+        if let Some((_, model)) = base
+            && (Arc::ptr_eq(model, &target) || model.digest() == target.digest())
+        {
+            return None;
+        }
+        let base_version = base.map(|(v, _)| *v).unwrap_or(0);
+        let key = (base_version, desired.version, view);
+        let shared = self.body(&key, || {
+            let body = match base {
+                Some((_, model)) => Body::Delta(model.diff(&target)),
+                None => Body::Snapshot(target.to_ruleset()),
+            };
+            let (trigger_times, objects) = self.changes_between(base_version, desired.version);
+            encode_shared(body, trigger_times, objects, target.digest())
+        });
+        let (generation, base_generation) = {
             let mut nodes = self.nodes.lock().ok()?;
             let st = nodes.entry(node.to_string()).or_default();
             st.generation += 1;
-            st.generation
+            (
+                st.generation,
+                if base.is_some() {
+                    st.acked_generation
+                } else {
+                    0
+                },
+            )
         };
-        let base_generation = match (&body, base) {
-            (Body::Delta(_), Some(_)) => self.acked_generation(node),
-            _ => 0,
-        };
-        let update = Update {
+        let frame = UpdateFrame {
             brain_epoch: self.epoch,
             generation,
             base_generation,
-            body: Some(body),
-            trigger_times,
-            objects,
-            digest: target.digest(),
+            shared,
         };
-        self.metrics
-            .updates_sent
+        let m = &self.metrics;
+        m.updates_sent
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.metrics.update_bytes_sent.fetch_add(
-            update.encoded_len() as u64,
+        m.update_bytes_sent.fetch_add(
+            prost::Message::encoded_len(&frame) as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
         if base_generation == 0 {
-            self.metrics
-                .snapshots_sent
+            m.snapshots_sent
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        Some((update, target))
+        Some((frame, target))
     }
 
-    fn acked_generation(&self, node: &str) -> u64 {
-        self.nodes
-            .lock()
-            .ok()
-            .and_then(|n| n.get(node).map(|s| s.acked_generation))
-            .unwrap_or(0)
+    /// The encoded body for `key`, built once.
+    fn body(&self, key: &BodyKey, build: impl FnOnce() -> Bytes) -> Bytes {
+        if let Some(b) = self.bodies.lock().ok().and_then(|c| c.get(key).cloned()) {
+            return b;
+        }
+        let start = Instant::now();
+        let b = build();
+        self.metrics.observe_encode(start.elapsed(), b.len());
+        if let Ok(mut c) = self.bodies.lock() {
+            if c.len() >= BODY_CACHE {
+                // Bodies towards older versions are no longer needed by anyone up to date.
+                let newest = key.1;
+                c.retain(|k, _| k.1 == newest);
+            }
+            c.insert(key.clone(), b.clone());
+        }
+        b
     }
 
     fn changes_between(&self, after: u64, upto: u64) -> (Vec<prost_types::Timestamp>, Vec<String>) {
@@ -244,29 +301,55 @@ impl Fanout {
             .then(|| (*version, model.clone()))
     }
 
-    /// Records a node's answer to an update.
+    /// Records a node's answer to the update that took it to `sent` (version and model).
     pub fn record_ack(&self, node: &str, ack: &Ack, sent: (u64, Arc<Model>)) -> bool {
         let apply = ack
             .apply_duration
             .as_ref()
             .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32));
-        let Ok(mut nodes) = self.nodes.lock() else {
-            return false;
-        };
-        let st = nodes.entry(node.to_string()).or_default();
-        st.last_apply = apply;
+        let version = sent.0;
+        {
+            let Ok(mut nodes) = self.nodes.lock() else {
+                return false;
+            };
+            let st = nodes.entry(node.to_string()).or_default();
+            st.last_apply = apply;
+            if ack.ok {
+                st.acked_generation = ack.generation;
+                st.acked = Some(sent);
+                st.last_error.clear();
+            } else {
+                st.acked = None;
+                st.last_error = ack.error.clone();
+                self.metrics
+                    .nacks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         if ack.ok {
-            st.acked_generation = ack.generation;
-            st.acked = Some(sent);
-            st.last_error.clear();
-        } else {
-            st.acked = None;
-            st.last_error = ack.error.clone();
-            self.metrics
-                .nacks
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.settle(node, Some(version));
         }
         ack.ok
+    }
+
+    /// The node no longer holds up publications up to `version` (all of them when it
+    /// disconnected); publications every node has settled are timed.
+    fn settle(&self, node: &str, version: Option<u64>) {
+        let Ok(mut pending) = self.pending.lock() else {
+            return;
+        };
+        let upto = version.unwrap_or(u64::MAX);
+        let mut done = Vec::new();
+        for (v, p) in pending.range_mut(..=upto) {
+            p.waiting.remove(node);
+            if p.waiting.is_empty() {
+                done.push((*v, p.published.elapsed()));
+            }
+        }
+        for (v, took) in done {
+            pending.remove(&v);
+            self.metrics.observe_fanout(took);
+        }
     }
 
     pub fn set_connected(&self, node: &str, connected: bool, peer: &str) {
@@ -274,6 +357,9 @@ impl Fanout {
             let st = nodes.entry(node.to_string()).or_default();
             st.connected = connected;
             st.peer = peer.to_string();
+        }
+        if !connected {
+            self.settle(node, None);
         }
     }
 

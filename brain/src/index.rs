@@ -51,13 +51,20 @@ impl Index {
         self.services = all.into_iter().collect();
     }
 
-    pub fn apply_slice(&mut self, key: ObjectKey, slice: Option<Arc<SliceInfo>>) {
-        if let Some(old) = self.slices.remove(&key)
-            && let Some(set) = self.slices_by_service.get_mut(&old.service)
+    /// Applies (or, with `None`, deletes) a slice; returns the Service it belonged to before,
+    /// which also needs recomputing if the slice moved.
+    pub fn apply_slice(
+        &mut self,
+        key: ObjectKey,
+        slice: Option<Arc<SliceInfo>>,
+    ) -> Option<ObjectKey> {
+        let old_service = self.slices.remove(&key).map(|old| old.service.clone());
+        if let Some(svc) = &old_service
+            && let Some(set) = self.slices_by_service.get_mut(svc)
         {
             set.remove(&key);
             if set.is_empty() {
-                self.slices_by_service.remove(&old.service);
+                self.slices_by_service.remove(svc);
             }
         }
         if let Some(s) = slice {
@@ -67,6 +74,7 @@ impl Index {
                 .insert(key.clone());
             self.slices.insert(key, s);
         }
+        old_service
     }
 
     pub fn reset_slices(&mut self, all: impl IntoIterator<Item = (ObjectKey, Arc<SliceInfo>)>) {

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod desired;
 pub mod fanout;
 pub mod http;
 pub mod index;

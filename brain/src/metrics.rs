@@ -4,6 +4,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use splitproxy_proto::prom::Histogram;
 
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -17,6 +20,37 @@ pub struct Metrics {
     pub nacks: AtomicU64,
     pub synced: AtomicU64,
     pub relists: AtomicU64,
+    pub publications: AtomicU64,
+    pub encodes: AtomicU64,
+    pub encoded_bytes: AtomicU64,
+    /// Publication to the last connected node's ack.
+    fanout: Mutex<Option<Histogram>>,
+    /// Index change to published desired state.
+    compute: Mutex<Option<Histogram>>,
+    /// Building and encoding one distinct update body.
+    encode: Mutex<Option<Histogram>>,
+}
+
+/// Seconds, from 100 µs to about 100 s.
+const BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 25.0, 60.0, 120.0,
+];
+
+fn observe(h: &Mutex<Option<Histogram>>, d: Duration) {
+    if let Ok(mut h) = h.lock() {
+        h.get_or_insert_with(|| Histogram::new(BUCKETS))
+            .observe(d.as_secs_f64());
+    }
+}
+
+fn render_histogram(out: &mut String, h: &Mutex<Option<Histogram>>, name: &str, help: &str) {
+    let h = h
+        .lock()
+        .ok()
+        .and_then(|h| h.clone())
+        .unwrap_or_else(|| Histogram::new(BUCKETS));
+    h.render(out, name, help);
 }
 
 impl Metrics {
@@ -24,6 +58,24 @@ impl Metrics {
         if let Ok(mut m) = self.invalid.lock() {
             *m.entry((kind, reason)).or_default() += 1;
         }
+    }
+
+    pub fn observe_fanout(&self, d: Duration) {
+        observe(&self.fanout, d)
+    }
+
+    pub fn observe_compute(&self, d: Duration) {
+        self.recomputes.fetch_add(1, Ordering::Relaxed);
+        self.recompute_micros_total
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        observe(&self.compute, d)
+    }
+
+    pub fn observe_encode(&self, d: Duration, bytes: usize) {
+        self.encodes.fetch_add(1, Ordering::Relaxed);
+        self.encoded_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        observe(&self.encode, d)
     }
 
     pub fn invalid_total(&self) -> u64 {
@@ -43,71 +95,104 @@ impl Metrics {
                 );
             }
         }
-        let simple = [
-            (
-                "splitproxy_brain_synced",
-                "gauge",
-                "1 once every initial list is complete and no relist is pending.",
-                g(&self.synced),
-            ),
-            (
-                "splitproxy_brain_relists_total",
-                "counter",
-                "Watches that had to relist.",
-                g(&self.relists),
-            ),
-            (
-                "splitproxy_brain_recomputes_total",
-                "counter",
-                "Desired-state recomputations.",
-                g(&self.recomputes),
-            ),
-            (
-                "splitproxy_brain_recompute_seconds_total",
-                "counter",
-                "Time spent recomputing desired state.",
-                0,
-            ),
-            (
-                "splitproxy_brain_updates_sent_total",
-                "counter",
-                "Updates streamed to nodes.",
-                g(&self.updates_sent),
-            ),
-            (
-                "splitproxy_brain_snapshots_sent_total",
-                "counter",
-                "Snapshot updates streamed to nodes.",
-                g(&self.snapshots_sent),
-            ),
-            (
-                "splitproxy_brain_update_bytes_sent_total",
-                "counter",
-                "Encoded bytes of updates streamed to nodes.",
-                g(&self.update_bytes_sent),
-            ),
-            (
-                "splitproxy_brain_nacks_total",
-                "counter",
-                "Updates a node failed to apply.",
-                g(&self.nacks),
-            ),
-            (
-                "splitproxy_brain_connected_nodes",
-                "gauge",
-                "Nodes with an open stream.",
-                connected_nodes as u64,
-            ),
-        ];
-        for (name, kind, help, value) in simple {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            if name == "splitproxy_brain_recompute_seconds_total" {
-                let secs = g(&self.recompute_micros_total) as f64 / 1e6;
-                let _ = writeln!(out, "{name} {secs}");
-            } else {
-                let _ = writeln!(out, "{name} {value}");
-            }
-        }
+        let mut one = |name: &str, kind: &str, help: &str, value: String| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        };
+        let c = |a: &AtomicU64| g(a).to_string();
+        one(
+            "splitproxy_brain_synced",
+            "gauge",
+            "1 once every initial list is complete and no relist is pending.",
+            c(&self.synced),
+        );
+        one(
+            "splitproxy_brain_relists_total",
+            "counter",
+            "Watch failures that led to a retry or relist.",
+            c(&self.relists),
+        );
+        one(
+            "splitproxy_brain_recomputes_total",
+            "counter",
+            "Desired-state computations.",
+            c(&self.recomputes),
+        );
+        let secs = g(&self.recompute_micros_total) as f64 / 1e6;
+        one(
+            "splitproxy_brain_recompute_seconds_total",
+            "counter",
+            "Time spent computing desired state.",
+            secs.to_string(),
+        );
+        one(
+            "splitproxy_brain_publications_total",
+            "counter",
+            "Desired states published (changes that reached the streams).",
+            c(&self.publications),
+        );
+        one(
+            "splitproxy_brain_updates_sent_total",
+            "counter",
+            "Updates streamed to nodes.",
+            c(&self.updates_sent),
+        );
+        one(
+            "splitproxy_brain_snapshots_sent_total",
+            "counter",
+            "Snapshot updates streamed to nodes.",
+            c(&self.snapshots_sent),
+        );
+        one(
+            "splitproxy_brain_update_bytes_sent_total",
+            "counter",
+            "Bytes of updates streamed to nodes.",
+            c(&self.update_bytes_sent),
+        );
+        one(
+            "splitproxy_brain_encodes_total",
+            "counter",
+            "Distinct update bodies encoded (each shared by every node that needs it).",
+            c(&self.encodes),
+        );
+        one(
+            "splitproxy_brain_encoded_bytes_total",
+            "counter",
+            "Bytes of distinct update bodies encoded.",
+            c(&self.encoded_bytes),
+        );
+        one(
+            "splitproxy_brain_nacks_total",
+            "counter",
+            "Updates a node failed to apply.",
+            c(&self.nacks),
+        );
+        one(
+            "splitproxy_brain_connected_nodes",
+            "gauge",
+            "Nodes with an open stream.",
+            connected_nodes.to_string(),
+        );
+        render_histogram(
+            &mut out,
+            &self.fanout,
+            "splitproxy_brain_fanout_duration_seconds",
+            "From publishing a desired state to the last node connected at that time acking it.",
+        );
+        render_histogram(
+            &mut out,
+            &self.compute,
+            "splitproxy_brain_compute_duration_seconds",
+            "From a batch of watch events to the published desired state.",
+        );
+        render_histogram(
+            &mut out,
+            &self.encode,
+            "splitproxy_brain_encode_duration_seconds",
+            "Computing and encoding one distinct update body.",
+        );
         out
     }
 }

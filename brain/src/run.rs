@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use splitproxy_proto::v1::dataplane_server::DataplaneServer;
+use splitproxy_proto::frames_server::dataplane_server::DataplaneServer;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 

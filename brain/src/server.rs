@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
-use splitproxy_proto::v1::dataplane_server::Dataplane;
+use splitproxy_proto::frames::UpdateFrame;
+use splitproxy_proto::frames_server::dataplane_server::Dataplane;
 use splitproxy_proto::v1::{
     GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeStatus,
-    SyncRequest, Update, sync_request,
+    SyncRequest, sync_request,
 };
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -29,7 +30,7 @@ pub struct DataplaneService {
     pub verify_node_identity: bool,
 }
 
-type UpdateStream = Pin<Box<dyn Stream<Item = Result<Update, Status>> + Send>>;
+type UpdateStream = Pin<Box<dyn Stream<Item = Result<UpdateFrame, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Dataplane for DataplaneService {
@@ -136,7 +137,7 @@ async fn session(
     fanout: &Fanout,
     hello: &splitproxy_proto::v1::Hello,
     mut inbound: Streaming<SyncRequest>,
-    tx: mpsc::Sender<Result<Update, Status>>,
+    tx: mpsc::Sender<Result<UpdateFrame, Status>>,
 ) -> Result<(), Status> {
     let node = hello.node.as_str();
     let (mut desired_rx, mut synced_rx) = fanout.subscribe();

@@ -1,7 +1,7 @@
 //! One watch per resource on the API server (streaming lists), feeding a single task that owns
 //! the index. Nothing is published before every initial list is complete, and a relist swaps the
 //! resource in whole when it is done, so nodes never see a half-loaded cluster (invariant 2).
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,11 +14,12 @@ use kube::{Api, Client};
 use splitproxy_proto::model::Model;
 use tokio::sync::mpsc;
 
+use crate::desired::Desired;
 use crate::fanout::Fanout;
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::objects::{self, ObjectKey};
-use crate::rules::{self, NodeView, RulesConfig};
+use crate::rules::{NodeView, RulesConfig};
 
 /// Boxed: watch events carry whole objects of very different sizes.
 enum IndexEvent {
@@ -142,7 +143,12 @@ struct IndexState {
     services: ListState<(ObjectKey, Arc<objects::ServiceInfo>)>,
     slices: ListState<(ObjectKey, Arc<objects::SliceInfo>)>,
     nodes: ListState<objects::NodeInfo>,
-    dirty: bool,
+    /// The desired state per node variant, maintained incrementally.
+    desired: HashMap<NodeView, Desired>,
+    /// Services to recompute at the next publication.
+    dirty: HashSet<ObjectKey>,
+    /// Recompute everything (after a list or relist completes).
+    rebuild: bool,
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
 }
@@ -156,7 +162,9 @@ impl IndexState {
             services: ListState::default(),
             slices: ListState::default(),
             nodes: ListState::default(),
-            dirty: false,
+            desired: HashMap::new(),
+            dirty: HashSet::new(),
+            rebuild: false,
             trigger_times: Vec::new(),
             objects: Vec::new(),
         }
@@ -185,18 +193,20 @@ impl IndexState {
                 let all = self.services.done();
                 tracing::info!(services = all.len(), "services listed");
                 self.index.reset_services(all);
-                self.dirty = true;
+                self.rebuild = true;
             }
             Event::Apply(svc) => {
                 let key = ObjectKey::of(&svc);
                 let info = objects::service(&svc, cidrs, &self.metrics);
                 self.index.apply_service(key.clone(), info);
                 self.check_ports(&key);
+                self.dirty.insert(key.clone());
                 self.changed(format!("Service {key}"), None);
             }
             Event::Delete(svc) => {
                 let key = ObjectKey::of(&svc);
                 self.index.apply_service(key.clone(), None);
+                self.dirty.insert(key.clone());
                 self.changed(format!("Service {key}"), None);
             }
         }
@@ -216,22 +226,25 @@ impl IndexState {
                 let all = self.slices.done();
                 tracing::info!(slices = all.len(), "endpoint slices listed");
                 self.index.reset_slices(all);
-                self.dirty = true;
+                self.rebuild = true;
             }
             Event::Apply(s) => {
                 let key = ObjectKey::of(&s);
                 let info = objects::slice(&s, &self.metrics);
                 let trigger = info.as_ref().and_then(|i| i.trigger_time);
                 let service = info.as_ref().map(|i| i.service.clone());
-                self.index.apply_slice(key.clone(), info);
+                let before = self.index.apply_slice(key.clone(), info);
+                self.dirty.extend(before);
                 if let Some(svc) = service {
                     self.check_ports(&svc);
+                    self.dirty.insert(svc);
                 }
                 self.changed(format!("EndpointSlice {key}"), trigger);
             }
             Event::Delete(s) => {
                 let key = ObjectKey::of(&s);
-                self.index.apply_slice(key.clone(), None);
+                let before = self.index.apply_slice(key.clone(), None);
+                self.dirty.extend(before);
                 self.changed(format!("EndpointSlice {key}"), None);
             }
         }
@@ -249,22 +262,21 @@ impl IndexState {
                 let all = self.nodes.done();
                 tracing::info!(nodes = all.len(), "nodes listed");
                 self.index.reset_nodes(all);
-                self.dirty = true;
+                self.rebuild = true;
             }
             Event::Apply(n) => {
+                // No rule depends on Node objects yet (per-node views come with traffic
+                // policies), so a Node change publishes nothing.
                 let info = objects::node(&n);
                 self.index.apply_node(info.name.clone(), Some(info));
-                self.dirty = true;
             }
             Event::Delete(n) => {
                 self.index.apply_node(kube::ResourceExt::name_any(&n), None);
-                self.dirty = true;
             }
         }
     }
 
     fn changed(&mut self, object: String, trigger: Option<k8s_openapi::jiff::Timestamp>) {
-        self.dirty = true;
         self.objects.push(object);
         let t = trigger.unwrap_or_else(k8s_openapi::jiff::Timestamp::now);
         self.trigger_times.push(prost_types::Timestamp {
@@ -306,45 +318,52 @@ impl IndexState {
             tracing::warn!("relisting: holding the last complete state until the list is done");
             fanout.set_synced(false);
         }
-        if !synced || !self.dirty {
+        if !synced || (!self.rebuild && self.dirty.is_empty()) {
             return;
         }
         let start = Instant::now();
-        let mut variants: HashMap<NodeView, Arc<Model>> = HashMap::new();
-        let mut views: Vec<NodeView> = self
+        let views: HashSet<NodeView> = self
             .index
             .nodes()
             .map(|n| fanout.view_of(&n.name))
+            .chain([NodeView::default()])
             .collect();
-        views.push(NodeView::default());
+        self.desired.retain(|v, _| views.contains(v));
+        let mut variants: HashMap<NodeView, Arc<Model>> = HashMap::new();
         for view in views {
-            variants.entry(view.clone()).or_insert_with(|| {
-                Arc::new(Model::from_ruleset(&rules::ruleset(
-                    &self.index,
-                    &self.config,
-                    &view,
-                )))
-            });
+            let d = match self.desired.entry(view.clone()) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    let d = e.into_mut();
+                    if self.rebuild {
+                        d.rebuild(&self.index);
+                    } else {
+                        d.update(&self.index, self.dirty.iter());
+                    }
+                    d
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let d = e.insert(Desired::new(self.config.clone(), view.clone()));
+                    d.rebuild(&self.index);
+                    d
+                }
+            };
+            variants.insert(view, Arc::new(d.model().clone()));
         }
         let took = start.elapsed();
-        self.metrics
-            .recomputes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.metrics.recompute_micros_total.fetch_add(
-            took.as_micros() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.metrics.observe_compute(took);
         tracing::debug!(
             ?took,
-            objects = self.objects.len(),
+            services = self.dirty.len(),
+            rebuild = self.rebuild,
             "recomputed desired state"
         );
+        self.dirty.clear();
+        self.rebuild = false;
         fanout.publish(
             variants,
             std::mem::take(&mut self.trigger_times),
             std::mem::take(&mut self.objects),
         );
-        self.dirty = false;
         if !fanout.synced() {
             tracing::info!("every initial list is complete; serving nodes");
             fanout.set_synced(true);

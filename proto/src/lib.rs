@@ -3,13 +3,20 @@
 //! rendering used by logs, introspection and golden tests.
 #![forbid(unsafe_code)]
 
-pub mod digest;
+pub mod frames;
 pub mod model;
+pub mod prom;
 pub mod render;
 
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("splitproxy.v1");
+}
+
+/// The brain's side of `splitproxy.v1.Dataplane`, streaming [`frames::UpdateFrame`]s.
+#[allow(clippy::all, missing_docs)]
+pub mod frames_server {
+    include!(concat!(env!("OUT_DIR"), "/frames/splitproxy.v1.rs"));
 }
 
 /// Encoded `FileDescriptorSet` of splitproxy.v1, for gRPC server reflection.

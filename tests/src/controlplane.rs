@@ -339,6 +339,16 @@ impl ControlPlane {
         unreachable!("u32 range of file names exhausted")
     }
 
+    /// The kube-apiserver's process id while it runs (for CPU and memory readings).
+    pub fn apiserver_pid(&self) -> Option<u32> {
+        self.apiserver.as_ref().and_then(Child::id)
+    }
+
+    /// etcd's process id while it runs.
+    pub fn etcd_pid(&self) -> Option<u32> {
+        self.etcd.as_ref().and_then(Child::id)
+    }
+
     /// The admin bearer token (user `splitproxy-admin`, group `system:masters`).
     pub fn token(&self) -> &str {
         &self.token

@@ -190,18 +190,55 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
         s,
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf)?;
-    let status = buf
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)?;
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or(buf.len());
+    let head = String::from_utf8_lossy(&buf[..split]);
+    let body = buf.get(split + 4..).unwrap_or_default();
+    let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .with_context(|| format!("bad HTTP answer from {addr}: {buf:?}"))?;
-    let body = buf
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
+        .with_context(|| format!("bad HTTP answer from {addr}: {head:?}"))?;
+    let chunked = head.lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("transfer-encoding")
+                && v.trim().eq_ignore_ascii_case("chunked")
+        })
+    });
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_vec()
+    };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Decodes a `Transfer-Encoding: chunked` body (Go servers, such as kube-proxy's, send large
+/// responses that way even to HTTP/1.1 clients that close the connection).
+fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rest.len());
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let line = String::from_utf8_lossy(&rest[..eol]);
+        let Ok(size) = usize::from_str_radix(line.split(';').next().unwrap_or_default().trim(), 16)
+        else {
+            break;
+        };
+        let data = &rest[eol + 2..];
+        if size == 0 {
+            break;
+        }
+        if data.len() < size {
+            out.extend_from_slice(data);
+            break;
+        }
+        out.extend_from_slice(&data[..size]);
+        rest = data[size..].strip_prefix(b"\r\n").unwrap_or(&data[size..]);
+    }
+    out
 }
 
 /// GET from inside a namespace (for actuators' local endpoints).
@@ -241,4 +278,16 @@ pub async fn grpc_client(
         splitproxy_proto::v1::dataplane_client::DataplaneClient::new(channel)
             .max_decoding_message_size(1 << 30),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dechunks_bodies() {
+        assert_eq!(
+            super::dechunk(b"5\r\nhello\r\n7;x=y\r\n world!\r\n0\r\n\r\n"),
+            b"hello world!"
+        );
+        assert!(super::dechunk(b"zz\r\n").is_empty());
+    }
 }

@@ -160,10 +160,15 @@ impl Lab {
         Ok(())
     }
 
-    /// Starts brain `i` again on its old address.
+    /// Starts brain `i` again. It binds a fresh port (its old one may have been taken by any
+    /// process meanwhile) and every node's forwarder is pointed at it.
     pub fn start_brain(&mut self, i: usize) -> Result<()> {
-        let b = self.spawn_brain(i, Some(self.brain_addrs[i]))?;
+        let b = self.spawn_brain(i, None)?;
+        self.brain_addrs[i] = b.grpc;
         self.brains[i] = Some(b);
+        for n in 0..self.actuators.len() {
+            self.relink_actuator(n)?;
+        }
         Ok(())
     }
 

@@ -21,15 +21,13 @@
 mod endpoints;
 pub mod ir;
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
-
 use splitproxy_proto::v1::{
     BaseChain, Chain, ChainType, CmpOp, DataType, Element, Expr, Family, Hook, MetaKey, Rule,
     Ruleset, Set, Table,
 };
 
 use crate::index::Index;
+use crate::objects::ServiceInfo;
 pub use endpoints::{ServicePortEndpoints, service_port_endpoints};
 
 /// Endpoint counts whose sets and rules always exist, so that endpoint changes of ordinary
@@ -60,134 +58,177 @@ impl Default for RulesConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct NodeView {}
 
-/// The ruleset a node with `view` must hold.
-pub fn ruleset(index: &Index, config: &RulesConfig, _view: &NodeView) -> Ruleset {
-    let mut tables = vec![family_table(index, config, false)];
-    if config
+/// The ruleset a node with `view` must hold, computed from scratch. The brain maintains the
+/// same thing incrementally ([`crate::desired::Desired`]); this is the reference it must equal.
+pub fn ruleset(index: &Index, config: &RulesConfig, view: &NodeView) -> Ruleset {
+    let mut d = crate::desired::Desired::new(config.clone(), view.clone());
+    d.rebuild(index);
+    d.model().to_ruleset()
+}
+
+/// Whether the ip6 table must exist even without IPv6 Services.
+pub fn wants_ipv6(config: &RulesConfig) -> bool {
+    config
         .service_cidrs
         .iter()
         .any(|n| matches!(n, ipnet::IpNet::V6(_)))
-        || index
-            .services()
-            .any(|s| s.cluster_ips.iter().any(IpAddr::is_ipv6))
-    {
-        tables.push(family_table(index, config, true));
-    }
-    let mut r = Ruleset { tables };
-    splitproxy_proto::digest::canonicalize(&mut r);
-    r
 }
 
-fn family_table(index: &Index, config: &RulesConfig, ipv6: bool) -> Table {
+pub fn family(ipv6: bool) -> Family {
+    if ipv6 { Family::Ip6 } else { Family::Ip }
+}
+
+/// One Service's share of a family's table: the elements it adds to each set, and the
+/// endpoint counts it uses (each needs its `service-ports-N` set and rule).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Contribution {
+    /// (set, element).
+    pub elements: Vec<(&'static str, Element)>,
+    /// Elements going to `service-ports-N`: (N, element).
+    pub counted: Vec<(u32, Element)>,
+}
+
+impl Contribution {
+    pub fn is_empty(&self) -> bool {
+        self.elements.is_empty() && self.counted.is_empty()
+    }
+}
+
+/// What `svc` puts into the `ipv6` (or ip) table.
+pub fn contribution(index: &Index, svc: &ServiceInfo, ipv6: bool) -> Contribution {
+    let mut c = Contribution::default();
+    for &cip in svc.cluster_ips.iter().filter(|ip| ip.is_ipv6() == ipv6) {
+        c.elements.push((
+            "cluster-ips",
+            Element {
+                key: vec![ir::ip(cip)],
+                ..Default::default()
+            },
+        ));
+        for port in &svc.ports {
+            let eps = service_port_endpoints(index, svc, port, ipv6);
+            let key = vec![
+                ir::ip(cip),
+                ir::proto(port.protocol as u8),
+                ir::port(port.port),
+            ];
+            // nftables keeps comments up to 127 bytes; Kubernetes names (ASCII) may be longer.
+            let comment: String = format!("{}:{}", svc.key, port.name)
+                .chars()
+                .take(127)
+                .collect();
+            if eps.endpoints.is_empty() {
+                c.elements.push((
+                    "no-endpoint-services",
+                    Element {
+                        key,
+                        comment,
+                        ..Default::default()
+                    },
+                ));
+                continue;
+            }
+            for (slot, (ip, p)) in eps.endpoints.iter().enumerate() {
+                let mut k = key.clone();
+                k.push(ir::int(slot as u32));
+                let e = Element {
+                    key: k,
+                    data: vec![ir::ip(*ip), ir::port(*p)],
+                    ..Default::default()
+                };
+                c.elements.push(("service-endpoints", e));
+            }
+            let n = eps.endpoints.len() as u32;
+            c.counted.push((
+                n,
+                Element {
+                    key,
+                    comment,
+                    ..Default::default()
+                },
+            ));
+        }
+    }
+    c
+}
+
+/// A family's table without any Service: hooks, checks, the shared sets, and the
+/// `service-ports-N` sets and rules for `counts`.
+pub fn skeleton(
+    config: &RulesConfig,
+    ipv6: bool,
+    counts: impl IntoIterator<Item = u32> + Clone,
+) -> Table {
     let addr = if ipv6 {
         DataType::Ipv6Addr
     } else {
         DataType::Ipv4Addr
     };
     let tuple = vec![addr, DataType::InetProto, DataType::InetService];
-    let mut cluster_ips = BTreeSet::new();
-    let mut by_count: BTreeMap<u32, Vec<Element>> =
-        (1..=PREALLOCATED_COUNTS).map(|n| (n, Vec::new())).collect();
-    let mut endpoints = Vec::new();
-    let mut no_endpoints = Vec::new();
-
-    for svc in index.services() {
-        for &cip in svc.cluster_ips.iter().filter(|ip| ip.is_ipv6() == ipv6) {
-            cluster_ips.insert(cip);
-            for port in &svc.ports {
-                let eps = service_port_endpoints(index, svc, port, ipv6);
-                let key = vec![
-                    ir::ip(cip),
-                    ir::proto(port.protocol as u8),
-                    ir::port(port.port),
-                ];
-                // nftables keeps at most 127 bytes of comment; these names are ASCII.
-                let comment: String = format!("{}:{}", svc.key, port.name)
-                    .chars()
-                    .take(127)
-                    .collect();
-                if eps.endpoints.is_empty() {
-                    no_endpoints.push(Element {
-                        key,
-                        comment,
-                        ..Default::default()
-                    });
-                    continue;
-                }
-                for (slot, (ip, p)) in eps.endpoints.iter().enumerate() {
-                    let mut k = key.clone();
-                    k.push(ir::int(slot as u32));
-                    endpoints.push(Element {
-                        key: k,
-                        data: vec![ir::ip(*ip), ir::port(*p)],
-                        ..Default::default()
-                    });
-                }
-                let n = eps.endpoints.len() as u32;
-                by_count.entry(n).or_default().push(Element {
-                    key,
-                    comment,
-                    ..Default::default()
-                });
-            }
-        }
-    }
-
     let mut sets = vec![
-        Set {
-            elements: cluster_ips
-                .into_iter()
-                .map(|ip| Element {
-                    key: vec![ir::ip(ip)],
-                    ..Default::default()
-                })
-                .collect(),
-            ..set("cluster-ips", vec![addr], vec![], "Active ClusterIPs")
-        },
-        Set {
-            elements: no_endpoints,
-            ..set(
-                "no-endpoint-services",
-                tuple.clone(),
-                vec![],
-                "Service ports without endpoints",
-            )
-        },
-        Set {
-            elements: endpoints,
-            ..set(
-                "service-endpoints",
-                [tuple.as_slice(), &[DataType::Integer]].concat(),
-                vec![addr, DataType::InetService],
-                "Service port . slot -> endpoint",
-            )
-        },
+        set("cluster-ips", vec![addr], vec![], "Active ClusterIPs"),
+        set(
+            "no-endpoint-services",
+            tuple.clone(),
+            vec![],
+            "Service ports without endpoints",
+        ),
+        set(
+            "service-endpoints",
+            [tuple.as_slice(), &[DataType::Integer]].concat(),
+            vec![addr, DataType::InetService],
+            "Service port . slot -> endpoint",
+        ),
     ];
-    let mut services = Vec::new();
-    for (n, elements) in by_count {
-        let name = format!("service-ports-{n}");
-        services.push(dnat_rule(&name, n, ipv6));
-        sets.push(Set {
-            elements,
-            ..set(
-                &name,
-                tuple.clone(),
-                vec![],
-                &format!("Service ports with {n} endpoints"),
-            )
-        });
-    }
-
+    sets.extend(counts.clone().into_iter().map(|n| count_set(n, ipv6)));
     let mut chains = base_chains();
-    chains.push(chain("services", services));
+    chains.push(services_chain(counts, ipv6));
     chains.extend(check_chains(config, ipv6));
     Table {
-        family: if ipv6 { Family::Ip6 } else { Family::Ip } as i32,
+        family: family(ipv6) as i32,
         name: config.table.clone(),
         comment: "rules for splitproxy".into(),
         chains,
         sets,
     }
+}
+
+/// The set of Service ports with `n` endpoints.
+pub fn count_set(n: u32, ipv6: bool) -> Set {
+    let addr = if ipv6 {
+        DataType::Ipv6Addr
+    } else {
+        DataType::Ipv4Addr
+    };
+    let endpoints = if n == 1 {
+        "1 endpoint".to_string()
+    } else {
+        format!("{n} endpoints")
+    };
+    set(
+        &count_set_name(n),
+        vec![addr, DataType::InetProto, DataType::InetService],
+        vec![],
+        &format!("Service ports with {endpoints}"),
+    )
+}
+
+pub fn count_set_name(n: u32) -> String {
+    format!("service-ports-{n}")
+}
+
+/// `services`: one DNAT rule per endpoint count, in ascending order.
+pub fn services_chain(counts: impl IntoIterator<Item = u32>, ipv6: bool) -> Chain {
+    let mut counts: Vec<u32> = counts.into_iter().collect();
+    counts.sort_unstable();
+    counts.dedup();
+    chain(
+        "services",
+        counts
+            .into_iter()
+            .map(|n| dnat_rule(&count_set_name(n), n, ipv6))
+            .collect(),
+    )
 }
 
 fn set(name: &str, key: Vec<DataType>, data: Vec<DataType>, comment: &str) -> Set {

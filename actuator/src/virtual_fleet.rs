@@ -1,0 +1,380 @@
+//! Virtual nodes for scale benchmarks: thousands of real gRPC streams to a real brain, each
+//! acking like an actuator, applying into an in-memory model instead of a kernel.
+//!
+//! Each virtual node has its own mTLS identity and stream, so the brain's fan-out is exercised
+//! exactly as with real nodes. What they share is the work a real node would repeat: nodes that
+//! reach the same state (same digest) share one model, and an update body is decoded only by
+//! the first node that needs it, so one machine can play 5,000 nodes.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::{Buf, BufMut, Bytes};
+use prost::Message;
+use prost::encoding::{DecodeContext, WireType};
+use splitproxy_proto::model::Model;
+use splitproxy_proto::v1::{self, Ack, Hello, Ruleset, RulesetDelta, SyncRequest, sync_request};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+pub struct FleetNode {
+    pub name: String,
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+pub struct FleetConfig {
+    /// "https://127.0.0.1:PORT"
+    pub brain: String,
+    pub server_name: Option<String>,
+    pub ca_pem: Vec<u8>,
+    pub nodes: Vec<FleetNode>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct FleetStatus {
+    pub nodes: usize,
+    pub connected: usize,
+    pub updates_applied: u64,
+    pub bytes_received: u64,
+    /// How many nodes hold each applied digest.
+    pub digests: HashMap<Vec<u8>, usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub node: String,
+    pub generation: u64,
+    pub applied_at: SystemTime,
+    pub trigger_times: Vec<SystemTime>,
+    pub decode_and_apply: Duration,
+}
+
+pub struct VirtualFleet {
+    nodes: usize,
+    connected: AtomicUsize,
+    updates: AtomicU64,
+    bytes: AtomicU64,
+    applied: Mutex<HashMap<String, Vec<u8>>>,
+    samples: Mutex<Vec<Sample>>,
+    /// Models by digest, shared by every node that holds that state.
+    states: Mutex<HashMap<Vec<u8>, Arc<Model>>>,
+    stop: AtomicBool,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl VirtualFleet {
+    /// Spawns one stream per node on the current tokio runtime.
+    pub fn start(cfg: FleetConfig) -> Arc<VirtualFleet> {
+        let fleet = Arc::new(VirtualFleet {
+            nodes: cfg.nodes.len(),
+            connected: AtomicUsize::new(0),
+            updates: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            applied: Mutex::new(HashMap::new()),
+            samples: Mutex::new(Vec::new()),
+            states: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let shared = Arc::new((cfg.brain, cfg.server_name, cfg.ca_pem));
+        let mut tasks = Vec::with_capacity(cfg.nodes.len());
+        for node in cfg.nodes {
+            let (fleet, shared) = (fleet.clone(), shared.clone());
+            tasks.push(tokio::spawn(async move {
+                fleet
+                    .run_node(node, &shared.0, shared.1.as_deref(), &shared.2)
+                    .await
+            }));
+        }
+        if let Ok(mut t) = fleet.tasks.lock() {
+            *t = tasks;
+        }
+        fleet
+    }
+
+    pub fn status(&self) -> FleetStatus {
+        let mut digests = HashMap::new();
+        if let Ok(a) = self.applied.lock() {
+            for d in a.values() {
+                *digests.entry(d.clone()).or_default() += 1;
+            }
+        }
+        FleetStatus {
+            nodes: self.nodes,
+            connected: self.connected.load(Ordering::Relaxed),
+            updates_applied: self.updates.load(Ordering::Relaxed),
+            bytes_received: self.bytes.load(Ordering::Relaxed),
+            digests,
+        }
+    }
+
+    /// Drains the samples recorded since the last call.
+    pub fn take_samples(&self) -> Vec<Sample> {
+        self.samples
+            .lock()
+            .map(|mut s| std::mem::take(&mut *s))
+            .unwrap_or_default()
+    }
+
+    /// Closes every stream.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Ok(t) = self.tasks.lock() {
+            for h in t.iter() {
+                h.abort();
+            }
+        }
+    }
+
+    async fn run_node(
+        self: Arc<Self>,
+        node: FleetNode,
+        brain: &str,
+        server_name: Option<&str>,
+        ca: &[u8],
+    ) {
+        let mut held: Option<Held> = None;
+        let mut backoff = Duration::from_millis(100);
+        while !self.stop.load(Ordering::Relaxed) {
+            match self.stream(&node, brain, server_name, ca, &mut held).await {
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::debug!(node = %node.name, error = %e, "virtual node stream ended")
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    async fn stream(
+        &self,
+        node: &FleetNode,
+        brain: &str,
+        server_name: Option<&str>,
+        ca: &[u8],
+        held: &mut Option<Held>,
+    ) -> anyhow::Result<()> {
+        let uri: tonic::transport::Uri = brain.parse()?;
+        let domain = server_name
+            .map(str::to_string)
+            .or_else(|| uri.host().map(str::to_string))
+            .unwrap_or_default();
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca))
+            .identity(Identity::from_pem(&node.cert_pem, &node.key_pem))
+            .domain_name(domain);
+        let channel = Channel::builder(uri)
+            .tls_config(tls)?
+            .connect_timeout(Duration::from_secs(30))
+            .connect()
+            .await?;
+        let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(1 << 30);
+        grpc.ready().await?;
+        let (tx, rx) = mpsc::channel(4);
+        let applied = held.as_ref().map(|h| v1::Applied {
+            brain_epoch: h.epoch,
+            generation: h.generation,
+            digest: h.model.digest(),
+        });
+        tx.send(SyncRequest {
+            msg: Some(sync_request::Msg::Hello(Hello {
+                node: node.name.clone(),
+                applied,
+                version: "virtual".into(),
+            })),
+        })
+        .await?;
+        let codec = tonic_prost::ProstCodec::<SyncRequest, Envelope>::default();
+        let path = http::uri::PathAndQuery::from_static("/splitproxy.v1.Dataplane/Sync");
+        let mut updates = grpc
+            .streaming(tonic::Request::new(ReceiverStream::new(rx)), path, codec)
+            .await?
+            .into_inner();
+        self.connected.fetch_add(1, Ordering::Relaxed);
+        let result = async {
+            while let Some(env) = updates.next().await {
+                let env = env?;
+                let ack = self.apply(&node.name, env, held);
+                tx.send(SyncRequest {
+                    msg: Some(sync_request::Msg::Ack(ack)),
+                })
+                .await?;
+            }
+            Ok(())
+        }
+        .await;
+        self.connected.fetch_sub(1, Ordering::Relaxed);
+        result
+    }
+
+    /// Applies one update to the node's (shared) model and builds its ack.
+    fn apply(&self, node: &str, env: Envelope, held: &mut Option<Held>) -> Ack {
+        let start = Instant::now();
+        self.bytes.fetch_add(env.wire_len as u64, Ordering::Relaxed);
+        let result = self.next_model(&env, held.as_ref());
+        let took = start.elapsed();
+        match result {
+            Ok(model) => {
+                *held = Some(Held {
+                    epoch: env.brain_epoch,
+                    generation: env.generation,
+                    model,
+                });
+                self.updates.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut a) = self.applied.lock() {
+                    a.insert(node.to_string(), env.digest.clone());
+                }
+                let sample = Sample {
+                    node: node.to_string(),
+                    generation: env.generation,
+                    applied_at: SystemTime::now(),
+                    trigger_times: env.trigger_times.clone(),
+                    decode_and_apply: took,
+                };
+                if let Ok(mut s) = self.samples.lock() {
+                    s.push(sample);
+                }
+                Ack {
+                    generation: env.generation,
+                    ok: true,
+                    error: String::new(),
+                    apply_duration: took.try_into().ok(),
+                }
+            }
+            Err(e) => {
+                *held = None;
+                Ack {
+                    generation: env.generation,
+                    ok: false,
+                    error: e,
+                    apply_duration: None,
+                }
+            }
+        }
+    }
+
+    fn next_model(&self, env: &Envelope, held: Option<&Held>) -> Result<Arc<Model>, String> {
+        if let Some(m) = self
+            .states
+            .lock()
+            .ok()
+            .and_then(|s| s.get(&env.digest).cloned())
+        {
+            return Ok(m);
+        }
+        let model = if env.base_generation == 0 {
+            let r = Ruleset::decode(env.snapshot.as_ref().ok_or("no body")?.clone())
+                .map_err(|e| e.to_string())?;
+            Model::from_ruleset(&r)
+        } else {
+            let h = held.ok_or("delta without a base")?;
+            if h.epoch != env.brain_epoch || h.generation != env.base_generation {
+                return Err(format!(
+                    "delta on generation {} but {} is held",
+                    env.base_generation, h.generation
+                ));
+            }
+            let d = RulesetDelta::decode(env.delta.as_ref().ok_or("no body")?.clone())
+                .map_err(|e| e.to_string())?;
+            let mut m = (*h.model).clone();
+            m.apply(&d);
+            m
+        };
+        if model.digest() != env.digest {
+            return Err("digest after applying differs from the brain's".into());
+        }
+        let model = Arc::new(model);
+        if let Ok(mut s) = self.states.lock() {
+            if s.len() > 64 {
+                s.retain(|_, m| Arc::strong_count(m) > 1);
+            }
+            s.insert(env.digest.clone(), model.clone());
+        }
+        Ok(model)
+    }
+}
+
+impl Drop for VirtualFleet {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Held {
+    epoch: u64,
+    generation: u64,
+    model: Arc<Model>,
+}
+
+/// An `Update` whose body stays encoded until someone needs it.
+#[derive(Debug, Clone, Default)]
+struct Envelope {
+    brain_epoch: u64,
+    generation: u64,
+    base_generation: u64,
+    snapshot: Option<Bytes>,
+    delta: Option<Bytes>,
+    trigger_times: Vec<SystemTime>,
+    digest: Vec<u8>,
+    wire_len: usize,
+}
+
+impl Message for Envelope {
+    fn encode_raw(&self, _buf: &mut impl BufMut) {
+        // Only ever decoded.
+    }
+
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        use prost::encoding::{bytes, message, uint64};
+        let before = buf.remaining();
+        let r = match tag {
+            1 => uint64::merge(wire_type, &mut self.brain_epoch, buf, ctx),
+            2 => uint64::merge(wire_type, &mut self.generation, buf, ctx),
+            3 => uint64::merge(wire_type, &mut self.base_generation, buf, ctx),
+            4 => bytes::merge(
+                wire_type,
+                self.snapshot.get_or_insert_with(Bytes::new),
+                buf,
+                ctx,
+            ),
+            5 => bytes::merge(
+                wire_type,
+                self.delta.get_or_insert_with(Bytes::new),
+                buf,
+                ctx,
+            ),
+            6 => {
+                let mut t = prost_types::Timestamp::default();
+                message::merge(wire_type, &mut t, buf, ctx)?;
+                self.trigger_times.push(
+                    SystemTime::UNIX_EPOCH
+                        + Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32),
+                );
+                Ok(())
+            }
+            8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
+            _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
+        };
+        self.wire_len += before - buf.remaining();
+        r
+    }
+
+    fn encoded_len(&self) -> usize {
+        0
+    }
+
+    fn clear(&mut self) {
+        *self = Envelope::default();
+    }
+}

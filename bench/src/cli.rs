@@ -1,0 +1,144 @@
+//! Command line. The bench binary is also multi-call (`splitproxy-bench brain ...`,
+//! `splitproxy-bench actuator ...`), like the lab's, so that the harness can spawn the real brain
+//! and actuators from the binary that is running the benchmark, with no second build to find.
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::bail;
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "splitproxy-bench",
+    version,
+    about = "Synthetic scale benchmark: splitproxy (brain, real actuators in node namespaces, a \
+             virtual fleet over real gRPC) side by side with kube-proxy against one real API server",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub bench: BenchArgs,
+    #[command(subcommand)]
+    pub component: Option<Component>,
+}
+
+/// The real components, run from this binary by the harness.
+#[derive(Debug, clap::Subcommand)]
+pub enum Component {
+    /// Run a brain (same as splitproxy-brain).
+    #[command(hide = true)]
+    Brain(splitproxy_brain::config::Args),
+    /// Run an actuator (same as splitproxy-actuator).
+    #[command(hide = true)]
+    Actuator(splitproxy_actuator::config::Args),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Services (ClusterIP, TCP) in the workload.
+    #[arg(long, default_value_t = 10_000)]
+    pub services: usize,
+    /// Endpoints per Service (at most 100 per EndpointSlice).
+    #[arg(long, default_value_t = 10)]
+    pub endpoints: usize,
+    /// Node objects in the workload.
+    #[arg(long, default_value_t = 5_000)]
+    pub nodes: usize,
+    /// Real actuators, each in its own node namespace with real nftables.
+    #[arg(long, default_value_t = 3)]
+    pub real: usize,
+    /// Virtual nodes served over real gRPC, applying into the in-memory model only
+    /// (default: every node that is neither real nor kube-proxy's, N - R - 1).
+    #[arg(long = "virtual")]
+    pub virtual_nodes: Option<usize>,
+    /// Duration of the steady-churn phase, seconds.
+    #[arg(long, default_value_t = 60)]
+    pub churn_seconds: u64,
+    /// Services changed per second during churn, in percent of --services.
+    #[arg(long, default_value_t = 1.0)]
+    pub churn_percent: f64,
+    /// Duration of each churn run of the API watch comparison (without and with one watcher set
+    /// per node), seconds.
+    #[arg(long, default_value_t = 20)]
+    pub storm_seconds: u64,
+    /// Do not run kube-proxy side by side (its node object still exists).
+    #[arg(long)]
+    pub skip_kube_proxy: bool,
+    /// Do not run the API watch comparison.
+    #[arg(long)]
+    pub skip_watch_storm: bool,
+    /// How long to wait for kube-proxy's first full sync (it takes minutes at 10k Services).
+    #[arg(long, default_value_t = 600)]
+    pub kube_proxy_timeout_seconds: u64,
+    /// How long to wait for one phase's change to reach every node.
+    #[arg(long, default_value_t = 120)]
+    pub phase_timeout_seconds: u64,
+    /// Concurrent API writes while creating the workload.
+    #[arg(long, default_value_t = 48)]
+    pub write_concurrency: usize,
+    /// Directory for the JSON result, the plots and the component logs.
+    #[arg(long, default_value = "bench/results")]
+    pub out: PathBuf,
+    /// Markdown report, regenerated on each run.
+    #[arg(long, default_value = "bench/RESULTS.md")]
+    pub report: PathBuf,
+}
+
+impl BenchArgs {
+    /// The number of virtual nodes, after defaults.
+    pub fn virtual_count(&self) -> usize {
+        self.virtual_nodes
+            .unwrap_or_else(|| self.nodes.saturating_sub(self.real + 1))
+    }
+
+    pub fn phase_timeout(&self) -> Duration {
+        Duration::from_secs(self.phase_timeout_seconds)
+    }
+
+    pub fn kube_proxy_timeout(&self) -> Duration {
+        Duration::from_secs(self.kube_proxy_timeout_seconds)
+    }
+
+    /// Services changed per churn tick (at least one).
+    pub fn churn_per_second(&self) -> usize {
+        ((self.services as f64 * self.churn_percent / 100.0).round() as usize).max(1)
+    }
+
+    /// Rejects combinations that cannot describe a cluster.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.services == 0 || self.endpoints == 0 {
+            bail!("--services and --endpoints must be positive");
+        }
+        if self.real == 0 {
+            bail!("--real must be at least 1: kernel apply times come from real actuators");
+        }
+        // Node namespaces: one per real actuator plus kube-proxy's.
+        if self.real + 1 > splitproxy_tests::topology::MAX_NODES {
+            bail!(
+                "--real must be below {} (node namespaces)",
+                splitproxy_tests::topology::MAX_NODES
+            );
+        }
+        let needed = self.real + 1 + self.virtual_count();
+        if needed > self.nodes {
+            bail!(
+                "--nodes {} is too few for {} real + 1 kube-proxy + {} virtual nodes",
+                self.nodes,
+                self.real,
+                self.virtual_count()
+            );
+        }
+        if self.services > 400_000 {
+            bail!("--services above 400000 do not fit the Service CIDR used here");
+        }
+        if self.services * self.endpoints > 4_000_000 {
+            bail!("more than 4,000,000 endpoints do not fit 10.128.0.0/9 with room for churn");
+        }
+        if !(self.churn_percent > 0.0 && self.churn_percent <= 100.0) {
+            bail!("--churn-percent must be in (0, 100]");
+        }
+        if self.write_concurrency == 0 {
+            bail!("--write-concurrency must be positive");
+        }
+        Ok(())
+    }
+}

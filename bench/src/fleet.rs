@@ -1,0 +1,144 @@
+//! The virtual nodes: one real mTLS gRPC stream per node to the real brain, applying into the
+//! actuator's in-memory model only (`splitproxy_actuator::virtual_fleet`), so that the brain's
+//! fan-out to thousands of nodes is exercised on one machine. This module is the only place that
+//! talks to the fleet; it turns its samples into network-programming latencies.
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use anyhow::Context;
+use splitproxy_actuator::virtual_fleet::{FleetConfig, FleetNode, FleetStatus, VirtualFleet};
+use splitproxy_tests::certs::Pki;
+
+use crate::measure::stats::LatencyHist;
+
+/// Issues one client certificate per node (CN = node name) from the brain's client CA, on all
+/// cores: ECDSA key generation is the slow part at 5,000 nodes.
+pub async fn issue(pki: &Arc<Pki>, names: &[String]) -> anyhow::Result<Vec<FleetNode>> {
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2);
+    let chunk = names.len().div_ceil(workers).max(1);
+    let mut tasks = Vec::new();
+    for part in names.chunks(chunk) {
+        let pki = pki.clone();
+        let part = part.to_vec();
+        tasks.push(tokio::task::spawn_blocking(move || {
+            part.into_iter()
+                .map(|name| {
+                    let pair = pki.client_cert(&name)?;
+                    Ok(FleetNode {
+                        name,
+                        cert_pem: pair.cert_pem.into_bytes(),
+                        key_pem: pair.key_pem.into_bytes(),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()
+        }));
+    }
+    let mut out = Vec::with_capacity(names.len());
+    for t in tasks {
+        out.extend(t.await.context("certificate worker")??);
+    }
+    Ok(out)
+}
+
+/// A running virtual fleet.
+pub struct Fleet {
+    inner: Arc<VirtualFleet>,
+    pub size: usize,
+}
+
+impl Fleet {
+    /// Starts every node's stream on the current runtime.
+    pub fn start(brain: std::net::SocketAddr, ca_pem: &str, nodes: Vec<FleetNode>) -> Fleet {
+        let size = nodes.len();
+        let inner = VirtualFleet::start(FleetConfig {
+            brain: format!("https://{brain}"),
+            server_name: Some("127.0.0.1".to_string()),
+            ca_pem: ca_pem.as_bytes().to_vec(),
+            nodes,
+        });
+        Fleet { inner, size }
+    }
+
+    pub fn status(&self) -> FleetStatus {
+        self.inner.status()
+    }
+
+    /// Every node connected and holding the same applied state (one digest for all).
+    pub fn uniform(&self) -> Option<Vec<u8>> {
+        uniform_digest(&self.status(), self.size)
+    }
+
+    /// Drains the samples recorded since the last call into `into`.
+    pub fn drain(&self, into: &mut NplCollector) {
+        for s in self.inner.take_samples() {
+            into.apply_seconds.record(s.decode_and_apply.as_secs_f64());
+            let mut counted = false;
+            for t in &s.trigger_times {
+                if *t < into.since {
+                    continue; // a change from before this phase
+                }
+                let latency = match s.applied_at.duration_since(*t) {
+                    Ok(d) => d.as_secs_f64(),
+                    Err(e) => -e.duration().as_secs_f64(),
+                };
+                into.npl.record(latency);
+                counted = true;
+            }
+            if counted {
+                if let Some(latest) = s.trigger_times.iter().max() {
+                    let e = into.latest.entry(s.node.clone()).or_insert(*latest);
+                    *e = (*e).max(*latest);
+                }
+                *into.per_node.entry(s.node).or_default() += 1;
+            }
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.inner.stop();
+    }
+}
+
+/// The single applied digest when every one of `size` nodes holds it.
+pub fn uniform_digest(st: &FleetStatus, size: usize) -> Option<Vec<u8>> {
+    if st.connected < size || st.digests.len() != 1 {
+        return None;
+    }
+    let (digest, count) = st.digests.iter().next()?;
+    (*count == size).then(|| digest.clone())
+}
+
+/// Network-programming latencies of one phase, from changes triggered at or after `since`.
+#[derive(Debug, Clone)]
+pub struct NplCollector {
+    pub since: SystemTime,
+    pub npl: LatencyHist,
+    /// Time to decode and apply one update into the in-memory model.
+    pub apply_seconds: LatencyHist,
+    /// Samples per node.
+    pub per_node: HashMap<String, u64>,
+    /// The newest trigger time each node has applied.
+    pub latest: HashMap<String, SystemTime>,
+}
+
+impl NplCollector {
+    pub fn new(since: SystemTime) -> NplCollector {
+        NplCollector {
+            since,
+            npl: LatencyHist::default(),
+            apply_seconds: LatencyHist::default(),
+            per_node: HashMap::new(),
+            latest: HashMap::new(),
+        }
+    }
+
+    /// How many nodes have applied a change triggered at or after `t`.
+    pub fn nodes_at(&self, t: SystemTime) -> usize {
+        self.latest.values().filter(|l| **l >= t).count()
+    }
+}

@@ -1,0 +1,24 @@
+//! splitproxy's synthetic scale benchmark.
+//!
+//! One command writes S Services x E endpoints and N Node objects into a real kube-apiserver,
+//! starts the brain against it, R real actuators in node namespaces and V virtual nodes over real
+//! gRPC, then kube-proxy v1.37.2 in nftables mode side by side on the same workload, and measures
+//! cold start and each change phase (one endpoint, a rolling update, a Service added and
+//! deleted, steady churn) on every node, plus the API server's load with and without one watcher
+//! set per node. It writes a JSON result, PNG plots and bench/RESULTS.md. See the targets
+//! in [`report::targets`].
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod fleet;
+pub mod kubeproxy;
+pub mod machine;
+pub mod measure;
+pub mod phases;
+pub mod plots;
+pub mod report;
+pub mod results;
+pub mod rig;
+pub mod run;
+pub mod watchstorm;
+pub mod workload;

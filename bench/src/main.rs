@@ -1,0 +1,26 @@
+//! `splitproxy-bench`: the scale benchmark (see the library's documentation), and the brain and
+//! actuator it spawns (`splitproxy-bench brain|actuator ...`).
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use splitproxy_bench::cli::{Cli, Component};
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.component {
+        Some(Component::Brain(args)) => {
+            splitproxy_brain::init_logging(&args.log_format);
+            runtime.block_on(splitproxy_brain::run::run(args))
+        }
+        Some(Component::Actuator(args)) => {
+            splitproxy_actuator::init_logging(&args.log_format);
+            runtime.block_on(splitproxy_actuator::run::run(args))
+        }
+        None => runtime
+            .block_on(splitproxy_bench::run::run(cli.bench))
+            .map(drop),
+    }
+}

@@ -1,0 +1,173 @@
+//! The change phases, each a sequence of writes the way a controller would make them, measured
+//! from each write's trigger time to its application on every node.
+use std::time::{Duration, SystemTime};
+
+use tokio::time::MissedTickBehavior;
+
+use super::Bench;
+use crate::results::Phase;
+
+/// One endpoint of one Service stops being ready.
+pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<Phase> {
+    let mut run = b.begin("endpoint_flip").await;
+    let svc = &mut b.workload.services[0];
+    let name = svc.name.clone();
+    svc.slices[0].endpoints[0].ready = false;
+    let slice = svc.slices[0].clone();
+    let t = b.writer.update_slice(&name, &slice).await?;
+    run.changes = 1;
+    b.wait_splitproxy(&mut run, t).await;
+    Ok(b.finish(
+        run,
+        "one endpoint of one Service turns not ready",
+        t,
+        1,
+        Some(t),
+    )
+    .await)
+}
+
+/// A 100-endpoint Service replaces its endpoints in 10 steps of 10, each a slice update.
+pub async fn rolling_update(b: &mut Bench) -> anyhow::Result<Phase> {
+    let mut run = b.begin("rolling_update").await;
+    let idx = b.workload.rollout_index();
+    let steps = 10;
+    let per_step = b.workload.services[idx].slices[0].endpoints.len() / steps;
+    let mut last = SystemTime::now();
+    for step in 0..steps {
+        for k in 0..per_step {
+            let fresh = b.workload.fresh_endpoint(step * per_step + k);
+            b.workload.services[idx].slices[0].endpoints[step * per_step + k] = fresh;
+        }
+        let svc = &b.workload.services[idx];
+        last = b.writer.update_slice(&svc.name, &svc.slices[0]).await?;
+        run.changes += 1;
+        b.wait_splitproxy(&mut run, last).await;
+    }
+    Ok(b.finish(
+        run,
+        "a 100-endpoint Service replaces its endpoints, 10 at a time, in 10 slice updates",
+        last,
+        steps,
+        None,
+    )
+    .await)
+}
+
+/// A new Service with its slice, then its deletion: two phases.
+pub async fn service_add_delete(b: &mut Bench) -> anyhow::Result<(Phase, Phase)> {
+    let extra = b.workload.extra_service(0);
+    let mut run = b.begin("service_add").await;
+    let times = b.writer.create_service(&extra).await?;
+    let last = times.iter().max().copied().unwrap_or_else(SystemTime::now);
+    run.changes = 1 + extra.slices.len();
+    b.wait_splitproxy(&mut run, last).await;
+    let single = (times.len() == 1).then_some(last);
+    let add = b
+        .finish(
+            run,
+            "a Service and its EndpointSlice are created",
+            last,
+            times.len(),
+            single,
+        )
+        .await;
+
+    let mut run = b.begin("service_delete").await;
+    let t = SystemTime::now();
+    b.writer.delete_service(&extra).await?;
+    run.changes = 1 + extra.slices.len();
+    b.wait_splitproxy(&mut run, t).await;
+    let delete = b
+        .finish(
+            run,
+            "the Service and its EndpointSlice are deleted (no trigger-time annotation: \
+             splitproxy measures from when the brain saw the deletion, kube-proxy counts none)",
+            t,
+            0,
+            Some(t),
+        )
+        .await;
+    Ok((add, delete))
+}
+
+/// Every second, `--churn-percent` of the Services get one endpoint replaced, for
+/// `--churn-seconds`; then waits until every node caught up.
+pub async fn churn(b: &mut Bench) -> anyhow::Result<Phase> {
+    let mut run = b.begin("churn").await;
+    let (last, changes, notes) = churn_for(b, b.args.churn_seconds, Some(&mut run)).await;
+    run.changes = changes;
+    run.notes.extend(notes);
+    b.wait_splitproxy(&mut run, last).await;
+    let desc = format!(
+        "{} % of the Services ({} slice updates) every second for {} s",
+        b.args.churn_percent,
+        b.args.churn_per_second(),
+        b.args.churn_seconds
+    );
+    Ok(b.finish(run, &desc, last, changes, None).await)
+}
+
+/// The churn loop, also used by the watch comparison: returns the last write's time, the number
+/// of writes and notes about writes that failed or fell behind. Bounded by `seconds` ticks.
+pub async fn churn_for(
+    b: &mut Bench,
+    seconds: u64,
+    mut run: Option<&mut super::PhaseRun>,
+) -> (SystemTime, usize, Vec<String>) {
+    let per_tick = b.args.churn_per_second();
+    let plain = b.workload.plain_services();
+    let mut cursor = 0usize;
+    let mut last = SystemTime::now();
+    let mut changes = 0;
+    let mut failed = 0;
+    let mut late = 0;
+    let mut interval = tokio::time::interval(Duration::from_secs(1));
+    interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    for tick in 0..seconds {
+        interval.tick().await;
+        let tick_start = std::time::Instant::now();
+        let mut updates = Vec::with_capacity(per_tick);
+        for _ in 0..per_tick {
+            let i = cursor % plain;
+            cursor += 1;
+            let svc = &mut b.workload.services[i];
+            let j = tick as usize % svc.slices[0].endpoints.len();
+            let fresh = b.workload.fresh_endpoint(i + j);
+            let svc = &mut b.workload.services[i];
+            svc.slices[0].endpoints[j] = fresh;
+            updates.push((svc.name.clone(), svc.slices[0].clone()));
+        }
+        match b.writer.update_slices(&updates).await {
+            Ok(times) => {
+                changes += times.len();
+                if let Some(t) = times.into_iter().max() {
+                    last = last.max(t);
+                }
+            }
+            Err(e) => {
+                failed += 1;
+                if failed == 1 {
+                    println!("[bench]   churn write failed: {e:#}");
+                }
+            }
+        }
+        if tick_start.elapsed() > Duration::from_secs(1) {
+            late += 1;
+        }
+        if let Some(run) = run.as_deref_mut() {
+            b.drain(run);
+        }
+    }
+    let mut notes = Vec::new();
+    if failed > 0 {
+        notes.push(format!("{failed} churn ticks had failed writes"));
+    }
+    if late > 0 {
+        notes.push(format!(
+            "{late} of {seconds} churn ticks took longer than a second to write (the API server \
+             fell behind; the achieved rate is {changes} writes)"
+        ));
+    }
+    (last, changes, notes)
+}

@@ -1,0 +1,387 @@
+//! The measured phases: cold start ([`cold`]) and the change phases ([`changes`]), on a shared
+//! frame ([`PhaseRun`]) that scrapes every component before and after, follows the virtual
+//! fleet's samples, waits (bounded) until the change reached every node, and turns the
+//! differences into a [`Phase`].
+pub mod changes;
+pub mod cold;
+pub mod watches;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::cli::BenchArgs;
+use crate::fleet::NplCollector;
+use crate::kubeproxy::KpScrape;
+use crate::measure::procstat::{Mark, Watched};
+use crate::measure::prom::{Histogram, Scrape};
+use crate::measure::stats::LatencyHist;
+use crate::results::{KubeProxyPhase, Phase, SplitproxyPhase};
+use crate::rig::{Rig, all_in_sync};
+use crate::workload::{Workload, Writer};
+
+pub const FANOUT: &str = "splitproxy_brain_fanout_duration_seconds";
+pub const COMPUTE: &str = "splitproxy_brain_compute_duration_seconds";
+pub const PUBLICATIONS: &str = "splitproxy_brain_publications_total";
+pub const BYTES_SENT: &str = "splitproxy_brain_update_bytes_sent_total";
+pub const UPDATES_SENT: &str = "splitproxy_brain_updates_sent_total";
+pub const SYNC: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
+pub const NPL: &str = "kubeproxy_network_programming_duration_seconds";
+pub const LAST_SYNC: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
+
+/// Everything a phase works on.
+pub struct Bench {
+    pub args: BenchArgs,
+    pub rig: Rig,
+    pub writer: Writer,
+    pub workload: Workload,
+    pub watched: Watched,
+    pub notes: Vec<String>,
+    /// splitproxy's network-programming latencies over every change phase.
+    pub npl_all: LatencyHist,
+}
+
+/// Readings at the start of a phase, and what was collected since.
+pub struct PhaseRun {
+    pub name: &'static str,
+    started: Instant,
+    brain: Option<Scrape>,
+    real: Vec<Option<Scrape>>,
+    kp: Option<KpScrape>,
+    /// The brain's desired version when the phase (or its last step) began.
+    version: u64,
+    mark: Mark,
+    pub collector: NplCollector,
+    pub changes: usize,
+    pub notes: Vec<String>,
+    /// Convergence time of each step, from its last write.
+    converged: Vec<Option<Duration>>,
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl Bench {
+    /// Scrapes every component and starts following the fleet.
+    pub async fn begin(&mut self, name: &'static str) -> PhaseRun {
+        println!("[bench] phase {name}");
+        // Samples of earlier phases are not this phase's.
+        let since = SystemTime::now();
+        if let Some(f) = &self.rig.fleet {
+            let mut discard = NplCollector::new(since);
+            f.drain(&mut discard);
+        }
+        let brain = self.rig.brain_scrape().ok();
+        let real = (0..self.rig.real)
+            .map(|i| self.rig.actuator_scrape(i).ok())
+            .collect();
+        let kp = self.kube_proxy_scrape();
+        let version = self
+            .rig
+            .list_nodes()
+            .await
+            .map(|l| l.desired_version)
+            .unwrap_or(0);
+        PhaseRun {
+            name,
+            started: Instant::now(),
+            brain,
+            real,
+            kp,
+            version,
+            mark: self.watched.mark(),
+            collector: NplCollector::new(since),
+            changes: 0,
+            notes: Vec::new(),
+            converged: Vec::new(),
+        }
+    }
+
+    pub fn kube_proxy_scrape(&self) -> Option<KpScrape> {
+        let kp = self.rig.kube_proxy.as_ref()?;
+        let ns = self.rig.kube_proxy_node().netns();
+        kp.scrape(ns).ok().map(|s| KpScrape::from(&s))
+    }
+
+    /// Drains the fleet's samples into the phase.
+    pub fn drain(&self, run: &mut PhaseRun) {
+        if let Some(f) = &self.rig.fleet {
+            f.drain(&mut run.collector);
+        }
+    }
+
+    /// Waits (bounded by the phase time-out) until every splitproxy node holds the state that
+    /// includes the write made at `last_write`: every virtual node has applied a change
+    /// triggered at or after it, and the brain lists every node in sync at a newer version
+    /// than the step began with. Records the time from `last_write` to then.
+    pub async fn wait_splitproxy(&self, run: &mut PhaseRun, last_write: SystemTime) -> bool {
+        let wrote = Instant::now()
+            .checked_sub(
+                SystemTime::now()
+                    .duration_since(last_write)
+                    .unwrap_or_default(),
+            )
+            .unwrap_or_else(Instant::now);
+        let deadline = Instant::now() + self.args.phase_timeout();
+        let expected = self.rig.splitproxy_nodes();
+        let virtual_nodes = self.rig.fleet.as_ref().map_or(0, |f| f.size);
+        let mut stable_since: Option<(u64, Instant)> = None;
+        while Instant::now() < deadline {
+            self.drain(run);
+            let fleet_done = run.collector.nodes_at(last_write) >= virtual_nodes;
+            let fleet_uniform = self
+                .rig
+                .fleet
+                .as_ref()
+                .is_none_or(|f| f.uniform().is_some());
+            if let Ok(ln) = self.rig.list_nodes().await {
+                let listed = ln.desired_version > run.version && all_in_sync(&ln, expected);
+                // Fallback when a node's samples lack the last trigger time (a coalesced
+                // update past the brain's change log): the same state everywhere for 1 s.
+                let steady = match stable_since {
+                    Some((v, t)) if v == ln.desired_version => t.elapsed() > Duration::from_secs(1),
+                    _ => {
+                        stable_since = Some((ln.desired_version, Instant::now()));
+                        false
+                    }
+                };
+                if listed && (fleet_done || (fleet_uniform && steady)) {
+                    run.version = ln.desired_version;
+                    run.converged.push(Some(wrote.elapsed()));
+                    self.drain(run);
+                    return true;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        run.notes.push(format!(
+            "splitproxy did not converge within {:?} (virtual nodes at the last change: {}/{})",
+            self.args.phase_timeout(),
+            run.collector.nodes_at(last_write),
+            virtual_nodes
+        ));
+        run.converged.push(None);
+        false
+    }
+
+    /// Waits for kube-proxy (bounded) and assembles the phase's figures.
+    ///
+    /// `kp_expected` is the number of trigger-time-carrying slice writes kube-proxy should count
+    /// in its network-programming histogram; `single` is the trigger time of a phase made of one
+    /// change, for exact latencies.
+    pub async fn finish(
+        &mut self,
+        mut run: PhaseRun,
+        description: &str,
+        last_write: SystemTime,
+        kp_expected: usize,
+        single: Option<SystemTime>,
+    ) -> Phase {
+        let kube_proxy = self
+            .wait_kube_proxy(&run, last_write, kp_expected, single)
+            .await;
+        self.drain(&mut run);
+        let mut sp = SplitproxyPhase::default();
+        // Brain.
+        if let Ok(after) = self.rig.brain_scrape() {
+            let before = run.brain.as_ref();
+            let hist = |name: &str| {
+                after
+                    .histogram(name)
+                    .map(|h| h.since(before.and_then(|b| b.histogram(name)).as_ref()))
+            };
+            let counter = |name: &str| {
+                after
+                    .sum(name)
+                    .map(|v| v - before.and_then(|b| b.sum(name)).unwrap_or(0.0))
+            };
+            let fanout = hist(FANOUT);
+            // One fan-out observation per publication stands in for a publication counter.
+            sp.publications = counter(PUBLICATIONS).or(fanout.as_ref().map(|h| h.count));
+            sp.fanout = fanout.as_ref().map(Histogram::summary);
+            sp.fanout_histogram = fanout;
+            sp.compute = hist(COMPUTE).map(|h| h.summary());
+            sp.updates_sent = counter(UPDATES_SENT);
+            sp.bytes_sent = counter(BYTES_SENT);
+            sp.bytes_per_publication = match (sp.bytes_sent, sp.publications) {
+                (Some(b), Some(p)) if p > 0.0 => Some(b / p),
+                _ => None,
+            };
+        }
+        // Real actuators.
+        let mut all = run.collector.npl.clone();
+        let mut real_with_samples = 0;
+        for i in 0..self.rig.real {
+            let node = self.rig.cluster.node(i).name().to_string();
+            let Ok(after) = self.rig.actuator_scrape(i) else {
+                run.notes
+                    .push(format!("no metrics from the actuator of {node}"));
+                continue;
+            };
+            let before = run.real.get(i).and_then(Option::as_ref);
+            let delta = |name: &str| {
+                after
+                    .histogram(name)
+                    .map(|h| h.since(before.and_then(|b| b.histogram(name)).as_ref()))
+            };
+            if let Some(h) = delta(SYNC) {
+                sp.real_apply.insert(node.clone(), h.summary());
+            }
+            let npl = delta(NPL);
+            if npl.as_ref().is_some_and(|h| h.count > 0.0) {
+                real_with_samples += 1;
+            }
+            if let Some(h) = npl {
+                sp.npl_real.insert(node.clone(), h.summary());
+            }
+            if let (Some(t), Some(last)) = (single, after.max(LAST_SYNC)) {
+                let exact = last - unix(t);
+                sp.npl_real_exact.insert(node.clone(), exact);
+                all.record(exact);
+            }
+        }
+        sp.npl_virtual = run.collector.npl.summary();
+        sp.npl_virtual_cdf = run.collector.npl.cdf();
+        sp.npl = all.summary();
+        self.npl_all.merge(&all);
+        sp.virtual_apply = run.collector.apply_seconds.summary();
+        sp.nodes_with_samples =
+            run.collector.per_node.values().filter(|c| **c > 0).count() + real_with_samples;
+        sp.nodes_total = self.rig.splitproxy_nodes();
+
+        let converged_seconds = if run.converged.iter().all(Option::is_some) {
+            run.converged
+                .iter()
+                .flatten()
+                .map(Duration::as_secs_f64)
+                .reduce(f64::max)
+        } else {
+            None
+        };
+        let phase = Phase {
+            name: run.name.to_string(),
+            description: description.to_string(),
+            changes: run.changes,
+            seconds: run.started.elapsed().as_secs_f64(),
+            converged_seconds,
+            splitproxy: sp,
+            kube_proxy,
+            processes: self.watched.since(&run.mark),
+            notes: run.notes,
+        };
+        print_phase(&phase);
+        phase
+    }
+
+    async fn wait_kube_proxy(
+        &self,
+        run: &PhaseRun,
+        last_write: SystemTime,
+        expected: usize,
+        single: Option<SystemTime>,
+    ) -> Option<KubeProxyPhase> {
+        self.rig.kube_proxy.as_ref()?;
+        let before = run.kp.clone().unwrap_or_default();
+        let base_npl = before.npl.as_ref().map_or(0.0, |h| h.count);
+        let started = Instant::now();
+        let deadline = started + self.args.phase_timeout();
+        let mut out = KubeProxyPhase::default();
+        let mut last = None;
+        while Instant::now() < deadline {
+            if let Some(now) = self.kube_proxy_scrape() {
+                eprintln!(
+                    "DEBUG kp npl={:?} last={:?}",
+                    now.npl.as_ref().map(|h| h.count),
+                    now.last_sync
+                );
+                let counted = now.npl.as_ref().map_or(0.0, |h| h.count) - base_npl;
+                let synced_after = now.last_sync.unwrap_or(0.0) >= unix(last_write);
+                if let (Some(t), None, true) = (single, out.npl_exact, counted >= 1.0) {
+                    out.npl_exact = now.last_sync.map(|l| l - unix(t));
+                }
+                let done = counted >= expected as f64 && synced_after;
+                last = Some(now);
+                if done {
+                    out.caught_up = true;
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        out.waited_seconds = started.elapsed().as_secs_f64();
+        if let Some(now) = &last
+            && !out.caught_up
+        {
+            out.note = format!(
+                "kube-proxy counted {} of {expected} expected network-programming samples; its last \
+                 sync ended at {:.3}, the last write was at {:.3} (unix seconds)",
+                now.npl.as_ref().map_or(0.0, |h| h.count) - base_npl,
+                now.last_sync.unwrap_or(0.0),
+                unix(last_write)
+            );
+        }
+        if let Some(now) = last {
+            let d = |a: &Option<Histogram>, b: &Option<Histogram>| {
+                a.as_ref().map(|a| a.since(b.as_ref()))
+            };
+            let npl = d(&now.npl, &before.npl);
+            out.npl = npl.as_ref().map(Histogram::summary);
+            out.npl_histogram = npl;
+            let sync = d(&now.sync, &before.sync);
+            out.sync = sync.as_ref().map(Histogram::summary);
+            out.sync_histogram = sync;
+            out.partial_sync = d(&now.partial_sync, &before.partial_sync).map(|h| h.summary());
+            out.full_sync = d(&now.full_sync, &before.full_sync).map(|h| h.summary());
+        }
+        Some(out)
+    }
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{:.1} ms", v * 1e3))
+}
+
+/// One progress line per phase with its headline figures.
+fn print_phase(p: &Phase) {
+    let sp = &p.splitproxy;
+    println!(
+        "[bench]   {}: {} changes in {:.1} s; splitproxy NPL p50 {} p99 {} max {} over {}/{} nodes; \
+         converged {}; fan-out p99 {}; kernel apply (real, mean) {}",
+        p.name,
+        p.changes,
+        p.seconds,
+        ms(sp.npl.p50),
+        ms(sp.npl.p99),
+        ms(sp.npl.max),
+        sp.nodes_with_samples,
+        sp.nodes_total,
+        ms(p.converged_seconds),
+        ms(sp.fanout.as_ref().and_then(|f| f.p99)),
+        ms(mean_of(sp.real_apply.values().filter_map(|h| h.mean))),
+    );
+    if let Some(kp) = &p.kube_proxy {
+        println!(
+            "[bench]   {}: kube-proxy {} after {:.1} s; NPL p50 {} p99 {} (exact {}); sync mean {}",
+            p.name,
+            if kp.caught_up {
+                "caught up"
+            } else {
+                "did NOT catch up"
+            },
+            kp.waited_seconds,
+            ms(kp.npl.as_ref().and_then(|h| h.p50)),
+            ms(kp.npl.as_ref().and_then(|h| h.p99)),
+            ms(kp.npl_exact),
+            ms(kp.sync.as_ref().and_then(|h| h.mean)),
+        );
+    }
+    for n in &p.notes {
+        println!("[bench]   note: {n}");
+    }
+}
+
+pub fn mean_of(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let v: Vec<f64> = values.collect();
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}

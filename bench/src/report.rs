@@ -1,0 +1,758 @@
+//! The issue's targets judged against a run, and the Markdown report (bench/RESULTS.md).
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::measure::prom::HistSummary;
+use crate::measure::stats::Stats;
+use crate::results::{BenchResult, Phase, Target};
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+fn ms(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v.is_finite() => {
+            if v >= 10.0 {
+                format!("{v:.1} s")
+            } else if v >= 0.1 {
+                format!("{:.0} ms", v * 1e3)
+            } else {
+                format!("{:.2} ms", v * 1e3)
+            }
+        }
+        Some(_) => "> last bucket".into(),
+        None => "n/a".into(),
+    }
+}
+
+fn mib(v: Option<f64>) -> String {
+    v.map_or("n/a".into(), |v| format!("{:.1} MiB", v / MIB))
+}
+
+fn num(v: Option<f64>) -> String {
+    v.map_or("n/a".into(), |v| {
+        if v.fract() == 0.0 {
+            format!("{v:.0}")
+        } else {
+            format!("{v:.1}")
+        }
+    })
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => Some(a / b),
+        _ => None,
+    }
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    r.map_or("n/a".into(), |r| {
+        if r < 0.01 {
+            format!("{r:.4}")
+        } else {
+            format!("{r:.2}")
+        }
+    })
+}
+
+pub fn phase<'a>(r: &'a BenchResult, name: &str) -> Option<&'a Phase> {
+    r.phases.iter().find(|p| p.name == name)
+}
+
+/// Mean kernel apply time over the real actuators in a phase.
+fn real_apply_mean(p: &Phase) -> Option<f64> {
+    crate::phases::mean_of(p.splitproxy.real_apply.values().filter_map(|h| h.mean))
+}
+
+fn kp_sync_mean(p: &Phase) -> Option<f64> {
+    p.kube_proxy.as_ref()?.sync.as_ref()?.mean
+}
+
+/// The largest peak RSS of processes whose role starts with `prefix`, over the whole run.
+fn peak_rss(r: &BenchResult, prefix: &str) -> Option<f64> {
+    let cold = r.cold_start.processes.iter();
+    let kp = r
+        .kube_proxy_cold_start
+        .iter()
+        .flat_map(|k| k.processes.iter());
+    let phases = r.phases.iter().flat_map(|p| p.processes.iter());
+    cold.chain(kp)
+        .chain(phases)
+        .filter(|(role, _)| role.starts_with(prefix))
+        .map(|(_, u)| u.peak_rss_bytes as f64)
+        .reduce(f64::max)
+}
+
+/// kube-proxy's NPL over every change phase, merged.
+pub fn kube_proxy_npl(r: &BenchResult) -> Option<crate::measure::prom::Histogram> {
+    let mut all: Option<crate::measure::prom::Histogram> = None;
+    for p in &r.phases {
+        if let Some(h) = p.kube_proxy.as_ref().and_then(|k| k.npl_histogram.as_ref()) {
+            match all.as_mut() {
+                Some(a) => a.merge(h),
+                None => all = Some(h.clone()),
+            }
+        }
+    }
+    all
+}
+
+/// The targets table of the issue, with what this run measured.
+pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
+    let mut out = Vec::new();
+    let scale = format!(
+        "at {} Services x {} endpoints, {} nodes",
+        r.config.services, r.config.endpoints, r.config.nodes
+    );
+
+    // Node cold start: the real actuators' first apply.
+    let first_apply = r
+        .cold_start
+        .real_first_apply
+        .values()
+        .map(|h| h.sum)
+        .reduce(f64::max);
+    let kp_first = r.kube_proxy_cold_start.as_ref().and_then(|k| {
+        k.full_sync
+            .as_ref()
+            .or(k.sync.as_ref())
+            .and_then(|h| h.max_bucket.or(h.mean))
+            .or(k.first_sync_seconds)
+    });
+    out.push(Target {
+        figure: "node cold start, full apply".into(),
+        target: "≤ 1 s".into(),
+        measured: ms(first_apply),
+        kube_proxy: kube_proxy_cold_text(r),
+        ratio: ratio(first_apply, kp_first),
+        met: first_apply.map(|v| v <= 1.0),
+        note: format!("slowest real actuator's kernel apply of its first state, {scale}"),
+    });
+
+    let flip = phase(r, "endpoint_flip");
+    let v = flip.and_then(real_apply_mean);
+    let k = flip.and_then(kp_sync_mean);
+    out.push(Target {
+        figure: "one endpoint change, kernel apply".into(),
+        target: "≤ 2 ms".into(),
+        measured: ms(v),
+        kube_proxy: ms(k),
+        ratio: ratio(v, k),
+        met: v.map(|v| v <= 0.002),
+        note: "mean over the real actuators (their sync histogram across the phase); kube-proxy: its sync time".into(),
+    });
+
+    let add = phase(r, "service_add");
+    let v = add.and_then(real_apply_mean);
+    let k = add.and_then(kp_sync_mean);
+    out.push(Target {
+        figure: "one Service added, kernel apply".into(),
+        target: "≤ 5 ms".into(),
+        measured: ms(v),
+        kube_proxy: ms(k),
+        ratio: ratio(v, k),
+        met: v.map(|v| v <= 0.005),
+        note: "mean over the real actuators".into(),
+    });
+
+    let del = phase(r, "service_delete");
+    let v = del.and_then(real_apply_mean);
+    let k = del.and_then(kp_sync_mean);
+    out.push(Target {
+        figure: "one Service deleted, kernel apply".into(),
+        target: "(no target)".into(),
+        measured: ms(v),
+        kube_proxy: ms(k),
+        ratio: ratio(v, k),
+        met: None,
+        note: "mean over the real actuators".into(),
+    });
+
+    let kp_npl = kube_proxy_npl(r);
+    let kp_p99 = kp_npl.as_ref().and_then(|h| h.quantile(0.99));
+    out.push(Target {
+        figure: format!("network programming latency p99, all {} nodes", r.config.real + r.config.virtual_nodes),
+        target: "≤ 1 s".into(),
+        measured: format!("{} ({} samples)", ms(npl_all.p99), npl_all.n),
+        kube_proxy: format!(
+            "≤ {} ({} samples, 1 node)",
+            ms(kp_p99),
+            kp_npl.as_ref().map_or(0.0, |h| h.count)
+        ),
+        ratio: ratio(npl_all.p99, kp_p99),
+        met: npl_all.p99.map(|v| v <= 1.0),
+        note: "every change phase; splitproxy: exact samples of every virtual node plus the real actuators' single-change samples; kube-proxy: upper bound of its histogram bucket".into(),
+    });
+
+    let brain_watches = r.cold_start.brain_watches;
+    let kp_watches = r.kube_proxy_cold_start.as_ref().and_then(|k| k.watches);
+    out.push(Target {
+        figure: "API watches".into(),
+        target: "a few per brain replica, whatever N".into(),
+        measured: format!("{} (1 brain)", num(brain_watches)),
+        kube_proxy: format!(
+            "{} per node, {} for {} nodes",
+            num(kp_watches),
+            num(kp_watches.map(|w| w * r.config.nodes as f64)),
+            r.config.nodes
+        ),
+        ratio: ratio(brain_watches, kp_watches.map(|w| w * r.config.nodes as f64)),
+        met: brain_watches.map(|w| w <= 8.0),
+        note: "the API server's WATCH gauge before and after each started".into(),
+    });
+
+    let churn = phase(r, "churn");
+    let compute = churn.and_then(|p| p.splitproxy.compute.as_ref());
+    let bytes = churn.and_then(|p| p.splitproxy.bytes_per_publication);
+    out.push(Target {
+        figure: "brain work per change".into(),
+        target: "independent of N except copying bytes to streams".into(),
+        measured: format!(
+            "compute p50 ≤ {} p99 ≤ {}; {} bytes per publication to {} nodes",
+            ms(compute.and_then(|c| c.p50)),
+            ms(compute.and_then(|c| c.p99)),
+            num(bytes),
+            r.config.real + r.config.virtual_nodes
+        ),
+        kube_proxy: "every node recomputes".into(),
+        ratio: None,
+        met: None,
+        note: "judged across runs at different --nodes (one run cannot show independence)".into(),
+    });
+
+    let act = peak_rss(r, "actuator");
+    out.push(Target {
+        figure: format!("actuator memory at {} Services", r.config.services),
+        target: "≤ 50 MiB RSS".into(),
+        measured: mib(act),
+        kube_proxy: mib(peak_rss(r, "kube-proxy")),
+        ratio: ratio(act, peak_rss(r, "kube-proxy")),
+        met: act.map(|v| v <= 50.0 * MIB),
+        note: "peak RSS (VmHWM) of the largest real actuator over the run".into(),
+    });
+
+    let brain = peak_rss(r, "brain");
+    out.push(Target {
+        figure: format!(
+            "brain memory at {} Services, {} endpoints, {} nodes",
+            r.config.services,
+            r.config.services * r.config.endpoints,
+            r.config.nodes
+        ),
+        target: "≤ 1 GiB".into(),
+        measured: mib(brain),
+        kube_proxy: "n/a".into(),
+        ratio: None,
+        met: brain.map(|v| v <= 1024.0 * MIB),
+        note: "peak RSS (VmHWM) of the brain over the run".into(),
+    });
+    out
+}
+
+fn kube_proxy_cold_text(r: &BenchResult) -> String {
+    match &r.kube_proxy_cold_start {
+        None => "not run".into(),
+        Some(k) => match k.first_sync_seconds {
+            Some(s) => format!(
+                "first sync done {:.1} s after start (sync {})",
+                s,
+                ms(k.full_sync
+                    .as_ref()
+                    .or(k.sync.as_ref())
+                    .and_then(|h| h.max_bucket.or(h.mean)))
+            ),
+            None => format!("no sync within {:.0} s", k.timeout_seconds),
+        },
+    }
+}
+
+fn hist_cell(h: Option<&HistSummary>) -> String {
+    match h {
+        Some(h) if h.count > 0.0 => format!(
+            "n={} mean {} p50 ≤ {} p99 ≤ {} max ≤ {}",
+            h.count,
+            ms(h.mean),
+            ms(h.p50),
+            ms(h.p99),
+            if h.above_last_bucket {
+                "∞".into()
+            } else {
+                ms(h.max_bucket)
+            }
+        ),
+        Some(_) => "none".into(),
+        None => "metric absent".into(),
+    }
+}
+
+fn stats_cell(s: &Stats) -> String {
+    if s.n == 0 {
+        return "none".into();
+    }
+    format!(
+        "n={} p50 {} p99 {} max {}",
+        s.n,
+        ms(s.p50),
+        ms(s.p99),
+        ms(s.max)
+    )
+}
+
+/// Renders the whole report. `plots` are file names inside `out_rel`.
+pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
+    let mut m = String::new();
+    let w = &mut m;
+    let _ = writeln!(w, "# splitproxy scale benchmark\n");
+    let _ = writeln!(
+        w,
+        "Regenerated by every run of `tools/bench.sh`; the numbers below come from one run, \
+         recorded in `{out_rel}/result.json`.\n"
+    );
+    let _ = writeln!(w, "Command:\n\n```\n{}\n```\n", r.command);
+    let _ = writeln!(
+        w,
+        "Run {} on {} cores, {:.1} GiB, kernel {} ({}); splitproxy {} ({}), Kubernetes {}, kube-proxy {}, etcd {}. Took {:.0} s.\n",
+        r.started_at,
+        r.machine.nproc,
+        r.machine.memory_bytes as f64 / (1024.0 * MIB),
+        r.machine.kernel,
+        r.machine.cpu_model,
+        r.versions.splitproxy,
+        r.versions.git_commit,
+        r.versions.kubernetes,
+        r.versions.kube_proxy,
+        r.versions.etcd,
+        r.seconds
+    );
+    let c = &r.config;
+    let _ = writeln!(
+        w,
+        "Workload: {} Services x {} endpoints (plus one 100-endpoint Service for the rolling update), {} Node objects; \
+         {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s.\n",
+        c.services,
+        c.endpoints,
+        c.nodes,
+        c.real,
+        c.virtual_nodes,
+        if c.kube_proxy {
+            "side by side in its own node namespace"
+        } else {
+            "skipped"
+        },
+        c.churn_percent,
+        c.churn_per_second,
+        c.churn_seconds
+    );
+
+    let _ = writeln!(w, "## Targets\n");
+    let _ = writeln!(
+        w,
+        "| figure | target | splitproxy | kube-proxy | splitproxy / kube-proxy | met | how measured |\n|---|---|---|---|---|---|---|"
+    );
+    for t in &r.targets {
+        let met = match t.met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "-",
+        };
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            t.figure,
+            t.target,
+            t.measured,
+            t.kube_proxy,
+            fmt_ratio(t.ratio),
+            met,
+            t.note
+        );
+    }
+
+    let wl = &r.workload;
+    let _ = writeln!(
+        w,
+        "\n## Workload write\n\n{} objects ({} Nodes, {} Services, {} EndpointSlices, {} endpoints) in {:.1} s: {:.0} objects/s with {} writes in flight.\n",
+        wl.objects,
+        wl.nodes,
+        wl.services,
+        wl.slices,
+        wl.endpoints,
+        wl.seconds,
+        wl.objects_per_second,
+        wl.concurrency
+    );
+
+    let cs = &r.cold_start;
+    let _ = writeln!(w, "## Cold start\n");
+    let _ = writeln!(w, "| figure | value |\n|---|---|");
+    let _ = writeln!(
+        w,
+        "| brain ready (every initial list done) | {} |",
+        ms(cs.brain_ready_seconds)
+    );
+    for (n, s) in &cs.actuators_ready_seconds {
+        let _ = writeln!(w, "| real actuator {n} ready | {} |", ms(*s));
+    }
+    let _ = writeln!(
+        w,
+        "| every virtual node holds the same state | {} |",
+        ms(cs.fleet_in_sync_seconds)
+    );
+    let _ = writeln!(
+        w,
+        "| every node in sync (brain's ListNodes) | {} |",
+        ms(cs.all_in_sync_seconds)
+    );
+    for (n, h) in &cs.real_first_apply {
+        let _ = writeln!(
+            w,
+            "| {n}: kernel apply of the first state(s) | {} in {} update(s) |",
+            ms(Some(h.sum)),
+            h.count
+        );
+    }
+    let _ = writeln!(
+        w,
+        "| brain compute | {} |",
+        hist_cell(cs.brain_compute.as_ref())
+    );
+    let _ = writeln!(
+        w,
+        "| brain fan-out | {} |",
+        hist_cell(cs.brain_fanout.as_ref())
+    );
+    let _ = writeln!(
+        w,
+        "| brain bytes sent / updates sent | {} / {} |",
+        num(cs.brain_bytes_sent),
+        num(cs.brain_updates_sent)
+    );
+    let _ = writeln!(
+        w,
+        "| virtual node decode + apply per update | {} |",
+        stats_cell(&cs.virtual_apply)
+    );
+    let _ = writeln!(
+        w,
+        "| API watches held by the brain | {} |",
+        num(cs.brain_watches)
+    );
+    for (role, u) in &cs.processes {
+        let _ = writeln!(
+            w,
+            "| {role}: CPU, RSS, peak RSS | {:.2} s, {}, {} |",
+            u.cpu_seconds,
+            mib(Some(u.rss_bytes as f64)),
+            mib(Some(u.peak_rss_bytes as f64))
+        );
+    }
+    if let Some(k) = &r.kube_proxy_cold_start {
+        let _ = writeln!(w, "| kube-proxy first sync | {} |", kube_proxy_cold_text(r));
+        let _ = writeln!(
+            w,
+            "| kube-proxy sync histogram | {} |",
+            hist_cell(k.sync.as_ref())
+        );
+        let _ = writeln!(w, "| kube-proxy API watches | {} |", num(k.watches));
+        for (role, u) in k
+            .processes
+            .iter()
+            .filter(|(r, _)| r.starts_with("kube-proxy"))
+        {
+            let _ = writeln!(
+                w,
+                "| {role}: CPU, peak RSS | {:.2} s, {} |",
+                u.cpu_seconds,
+                mib(Some(u.peak_rss_bytes as f64))
+            );
+        }
+    }
+
+    let _ = writeln!(w, "\n## Change phases\n");
+    for p in &r.phases {
+        let sp = &p.splitproxy;
+        let _ = writeln!(
+            w,
+            "### {}\n\n{} ({} writes, {:.1} s).\n",
+            p.name, p.description, p.changes, p.seconds
+        );
+        let _ = writeln!(
+            w,
+            "| figure | splitproxy | kube-proxy | ratio |\n|---|---|---|---|"
+        );
+        let kp = p.kube_proxy.as_ref();
+        let kp_npl = kp.and_then(|k| k.npl.as_ref());
+        let _ = writeln!(
+            w,
+            "| network programming latency p50 | {} | ≤ {} | {} |",
+            ms(sp.npl.p50),
+            ms(kp_npl.and_then(|h| h.p50)),
+            fmt_ratio(ratio(sp.npl.p50, kp_npl.and_then(|h| h.p50)))
+        );
+        let _ = writeln!(
+            w,
+            "| network programming latency p99 | {} | ≤ {} | {} |",
+            ms(sp.npl.p99),
+            ms(kp_npl.and_then(|h| h.p99)),
+            fmt_ratio(ratio(sp.npl.p99, kp_npl.and_then(|h| h.p99)))
+        );
+        let _ = writeln!(
+            w,
+            "| network programming latency max | {} | ≤ {} | |",
+            ms(sp.npl.max),
+            ms(kp_npl.and_then(|h| h.max_bucket))
+        );
+        if !sp.npl_real_exact.is_empty() || kp.and_then(|k| k.npl_exact).is_some() {
+            let real = crate::phases::mean_of(sp.npl_real_exact.values().copied());
+            let _ = writeln!(
+                w,
+                "| single change, exact (real nodes' mean) | {} | {} | {} |",
+                ms(real),
+                ms(kp.and_then(|k| k.npl_exact)),
+                fmt_ratio(ratio(real, kp.and_then(|k| k.npl_exact)))
+            );
+        }
+        let ra = real_apply_mean(p);
+        let ka = kp.and_then(|k| k.sync.as_ref()).and_then(|h| h.mean);
+        let _ = writeln!(
+            w,
+            "| kernel apply (sync) mean | {} | {} | {} |",
+            ms(ra),
+            ms(ka),
+            fmt_ratio(ratio(ra, ka))
+        );
+        let _ = writeln!(
+            w,
+            "| nodes with latency samples | {} of {} | {} | |",
+            sp.nodes_with_samples,
+            sp.nodes_total,
+            kp.map_or("not run".to_string(), |k| if k.caught_up {
+                format!("caught up after {:.1} s", k.waited_seconds)
+            } else {
+                format!("did NOT catch up in {:.0} s", k.waited_seconds)
+            })
+        );
+        let _ = writeln!(
+            w,
+            "| every node converged after the last write | {} | | |",
+            ms(p.converged_seconds)
+        );
+        let _ = writeln!(
+            w,
+            "| virtual nodes' NPL | {} | | |",
+            stats_cell(&sp.npl_virtual)
+        );
+        for (n, h) in &sp.npl_real {
+            let _ = writeln!(w, "| {n} NPL histogram | {} | | |", hist_cell(Some(h)));
+        }
+        for (n, h) in &sp.real_apply {
+            let _ = writeln!(w, "| {n} kernel apply | {} | | |", hist_cell(Some(h)));
+        }
+        if let Some(k) = kp {
+            let _ = writeln!(
+                w,
+                "| kube-proxy sync | | {} | |",
+                hist_cell(k.sync.as_ref())
+            );
+            let _ = writeln!(
+                w,
+                "| kube-proxy partial / full syncs | | {} / {} | |",
+                hist_cell(k.partial_sync.as_ref()),
+                hist_cell(k.full_sync.as_ref())
+            );
+        }
+        let _ = writeln!(
+            w,
+            "| brain fan-out (publication → last ack) | {} | | |",
+            hist_cell(sp.fanout.as_ref())
+        );
+        let _ = writeln!(
+            w,
+            "| brain compute per change | {} | | |",
+            hist_cell(sp.compute.as_ref())
+        );
+        let _ = writeln!(
+            w,
+            "| brain publications, updates sent, bytes sent, bytes per publication | {}, {}, {}, {} | | |",
+            num(sp.publications),
+            num(sp.updates_sent),
+            num(sp.bytes_sent),
+            num(sp.bytes_per_publication)
+        );
+        let _ = writeln!(
+            w,
+            "| virtual node decode + apply per update | {} | | |",
+            stats_cell(&sp.virtual_apply)
+        );
+        for (role, u) in &p.processes {
+            let _ = writeln!(
+                w,
+                "| {role}: CPU s, peak RSS | {:.2} s, {} | | |",
+                u.cpu_seconds,
+                mib(Some(u.peak_rss_bytes as f64))
+            );
+        }
+        for n in &p.notes {
+            let _ = writeln!(w, "\nNote: {n}");
+        }
+        let _ = writeln!(w);
+    }
+
+    if let Some(wt) = &r.watches {
+        let _ = writeln!(w, "## API server watches\n");
+        let _ = writeln!(
+            w,
+            "The same churn for {} s, once with splitproxy's watches only (plus the one real kube-proxy), once with one watcher set per node added \
+             (Services, EndpointSlices, own Node: {} requested, {} established, {} failed), as {} kube-proxies would hold.\n",
+            wt.seconds, wt.storm_requested, wt.storm_established, wt.storm_failed, r.config.nodes
+        );
+        let _ = writeln!(
+            w,
+            "| figure | splitproxy | with the kube-proxy watch storm | ratio |\n|---|---|---|---|"
+        );
+        let b = &wt.baseline;
+        let s = &wt.storm;
+        let _ = writeln!(
+            w,
+            "| WATCH requests held | {} | {} | {} |",
+            num(b.watches),
+            num(s.watches),
+            fmt_ratio(ratio(b.watches, s.watches))
+        );
+        let _ = writeln!(
+            w,
+            "| registered watchers | {} | {} | {} |",
+            num(b.registered_watchers),
+            num(s.registered_watchers),
+            fmt_ratio(ratio(b.registered_watchers, s.registered_watchers))
+        );
+        let _ = writeln!(
+            w,
+            "| API server CPU (cores) | {:.2} | {:.2} | {} |",
+            b.apiserver_cpu_cores,
+            s.apiserver_cpu_cores,
+            fmt_ratio(ratio(
+                Some(b.apiserver_cpu_cores),
+                Some(s.apiserver_cpu_cores)
+            ))
+        );
+        let _ = writeln!(
+            w,
+            "| API server peak RSS | {} | {} | {} |",
+            mib(Some(b.apiserver_peak_rss_bytes as f64)),
+            mib(Some(s.apiserver_peak_rss_bytes as f64)),
+            fmt_ratio(ratio(
+                Some(b.apiserver_peak_rss_bytes as f64),
+                Some(s.apiserver_peak_rss_bytes as f64)
+            ))
+        );
+        let _ = writeln!(
+            w,
+            "| slice writes during the run | {} | {} | |",
+            b.changes, s.changes
+        );
+        let _ = writeln!(
+            w,
+            "| watch event bytes delivered | | {:.0} /s | |",
+            wt.storm_events_bytes_per_second
+        );
+        let _ = writeln!(
+            w,
+            "| watches the API server ended during the run | | {} | |\n",
+            wt.storm_ended_early
+        );
+    }
+
+    let _ = writeln!(w, "## Missed targets\n");
+    let missed: Vec<&Target> = r.targets.iter().filter(|t| t.met == Some(false)).collect();
+    if missed.is_empty() {
+        let _ = writeln!(w, "None of the judged targets was missed at this scale.\n");
+    }
+    for t in missed {
+        let _ = writeln!(
+            w,
+            "- **{}**: {} against {}. {}",
+            t.figure,
+            t.measured,
+            t.target,
+            why(r, &t.figure)
+        );
+    }
+    let _ = writeln!(
+        w,
+        "\nProfile: `perf` is not used; the brain's own compute and fan-out histograms and the per-phase CPU seconds above \
+         stand for it (CPU seconds per process and phase from /proc/PID/stat, peak RSS from VmHWM reset at each phase).\n"
+    );
+
+    if !plots.is_empty() {
+        let _ = writeln!(w, "## Plots\n");
+        for p in plots {
+            let _ = writeln!(w, "![{p}]({out_rel}/{p})\n");
+        }
+    }
+    if !r.notes.is_empty() {
+        let _ = writeln!(w, "## Notes\n");
+        for n in &r.notes {
+            let _ = writeln!(w, "- {n}");
+        }
+    }
+    m
+}
+
+/// Why a target was missed, from the figures that compose it.
+fn why(r: &BenchResult, figure: &str) -> String {
+    let churn = phase(r, "churn");
+    if figure.starts_with("network programming latency") {
+        let (compute, fanout, apply) = churn
+            .map(|p| {
+                (
+                    p.splitproxy.compute.as_ref().and_then(|h| h.p99),
+                    p.splitproxy.fanout.as_ref().and_then(|h| h.p99),
+                    p.splitproxy.virtual_apply.p99,
+                )
+            })
+            .unwrap_or_default();
+        let brain_cpu = churn.and_then(|p| {
+            p.processes
+                .get("brain")
+                .map(|u| u.cpu_seconds / p.seconds.max(1e-9))
+        });
+        let bench_cpu = churn.and_then(|p| {
+            p.processes
+                .iter()
+                .find(|(k, _)| k.starts_with("bench"))
+                .map(|(_, u)| u.cpu_seconds / p.seconds.max(1e-9))
+        });
+        return format!(
+            "In the churn phase the brain's compute p99 was {}, fan-out (publication to last ack) p99 {}, a virtual node's decode+apply p99 {}; \
+             the brain used {} cores and the bench process (virtual fleet, writer) {} cores of {}: the latency is mostly queueing for CPU \
+             when both share the machine.",
+            ms(compute),
+            ms(fanout),
+            ms(apply),
+            num(brain_cpu),
+            num(bench_cpu),
+            r.machine.nproc
+        );
+    }
+    if figure.contains("kernel apply") || figure.contains("cold start") {
+        return "The actuator's apply is one nf_tables transaction; every commit walks the table's chains and validates \
+                new jumps (see ../shared/DESIGN.md), so its floor follows the ruleset's shape."
+            .into();
+    }
+    if figure.contains("memory") {
+        return "Peak RSS includes the decoded updates held during apply and the allocator's retained pages.".into();
+    }
+    String::new()
+}
+
+/// The report's path to `out`: relative when `out` is beside or below the report.
+pub fn relative(report: &Path, out: &Path) -> String {
+    let base = report.parent().unwrap_or(Path::new("."));
+    let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let (b, o) = (abs(base), abs(out));
+    match o.strip_prefix(&b) {
+        Ok(rel) if !rel.as_os_str().is_empty() => rel.display().to_string(),
+        _ => o.display().to_string(),
+    }
+}

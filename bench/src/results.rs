@@ -1,0 +1,202 @@
+//! The machine-readable result of one run (written as JSON into `--out`). Every figure the report
+//! and the plots show comes from here, so a report can be regenerated from a JSON file.
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::measure::procstat::ProcUsage;
+use crate::measure::prom::{HistSummary, Histogram};
+use crate::measure::stats::Stats;
+use crate::workload::WriteFigures;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct BenchResult {
+    /// The exact command line.
+    pub command: String,
+    pub started_at: String,
+    pub seconds: f64,
+    pub versions: Versions,
+    pub machine: Machine,
+    pub config: Config,
+    pub workload: WriteFigures,
+    pub cold_start: ColdStart,
+    pub kube_proxy_cold_start: Option<KubeProxyColdStart>,
+    /// Change phases in the order they ran.
+    pub phases: Vec<Phase>,
+    pub watches: Option<Watches>,
+    pub targets: Vec<Target>,
+    /// Things that went wrong or were skipped, in words.
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Versions {
+    pub splitproxy: String,
+    pub kubernetes: String,
+    pub kube_proxy: String,
+    pub etcd: String,
+    pub git_commit: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Machine {
+    pub nproc: usize,
+    pub memory_bytes: u64,
+    pub kernel: String,
+    pub cpu_model: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Config {
+    pub services: usize,
+    pub endpoints: usize,
+    pub nodes: usize,
+    pub real: usize,
+    pub virtual_nodes: usize,
+    pub churn_seconds: u64,
+    pub churn_percent: f64,
+    pub churn_per_second: usize,
+    pub storm_seconds: u64,
+    pub kube_proxy: bool,
+    pub watch_storm: bool,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ColdStart {
+    /// From spawning the brain to /readyz answering 200 (every initial list complete).
+    pub brain_ready_seconds: Option<f64>,
+    /// From spawning the brain to each real actuator's /readyz answering 200.
+    pub actuators_ready_seconds: BTreeMap<String, Option<f64>>,
+    /// From spawning the brain to every virtual node holding the same state.
+    pub fleet_in_sync_seconds: Option<f64>,
+    /// From spawning the brain to every node (real and virtual) listed in sync by the brain.
+    pub all_in_sync_seconds: Option<f64>,
+    /// Each real actuator's kernel apply time of its first (full) state.
+    pub real_first_apply: BTreeMap<String, HistSummary>,
+    /// The brain's compute time for the initial state (its histogram at the end of cold start).
+    pub brain_compute: Option<HistSummary>,
+    pub brain_fanout: Option<HistSummary>,
+    pub brain_bytes_sent: Option<f64>,
+    pub brain_updates_sent: Option<f64>,
+    pub virtual_apply: Stats,
+    /// API watches held by the brain (the API server's WATCH gauge before and after it started).
+    pub brain_watches: Option<f64>,
+    pub processes: BTreeMap<String, ProcUsage>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct KubeProxyColdStart {
+    /// From spawning kube-proxy to the end of its first sync; `None` when it did not finish
+    /// within the time-out.
+    pub first_sync_seconds: Option<f64>,
+    pub timeout_seconds: f64,
+    pub sync: Option<HistSummary>,
+    pub full_sync: Option<HistSummary>,
+    /// API watches it opened.
+    pub watches: Option<f64>,
+    pub processes: BTreeMap<String, ProcUsage>,
+}
+
+/// One measured change phase.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Phase {
+    pub name: String,
+    pub description: String,
+    /// EndpointSlice or Service writes made.
+    pub changes: usize,
+    pub seconds: f64,
+    /// From the last write to every splitproxy node holding the result.
+    pub converged_seconds: Option<f64>,
+    pub splitproxy: SplitproxyPhase,
+    pub kube_proxy: Option<KubeProxyPhase>,
+    pub processes: BTreeMap<String, ProcUsage>,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SplitproxyPhase {
+    /// Network programming latency over every node and change: the virtual fleet's exact
+    /// samples plus the real actuators' exact ones (single-change phases).
+    pub npl: Stats,
+    pub npl_virtual: Stats,
+    /// CDF of the virtual fleet's samples, (seconds, fraction), for plots.
+    pub npl_virtual_cdf: Vec<(f64, f64)>,
+    /// Real actuators: their network-programming histogram across the phase.
+    pub npl_real: BTreeMap<String, HistSummary>,
+    /// Real actuators: exact latency of a single change (sync timestamp - trigger time).
+    pub npl_real_exact: BTreeMap<String, f64>,
+    /// Nodes with at least one latency sample in this phase, of `nodes_total`.
+    pub nodes_with_samples: usize,
+    pub nodes_total: usize,
+    pub fanout: Option<HistSummary>,
+    pub fanout_histogram: Option<Histogram>,
+    pub compute: Option<HistSummary>,
+    pub publications: Option<f64>,
+    pub updates_sent: Option<f64>,
+    pub bytes_sent: Option<f64>,
+    pub bytes_per_publication: Option<f64>,
+    /// Real actuators' kernel apply time (their sync histogram across the phase).
+    pub real_apply: BTreeMap<String, HistSummary>,
+    /// Virtual nodes: decode and apply into the in-memory model, per update.
+    pub virtual_apply: Stats,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct KubeProxyPhase {
+    /// Its network-programming histogram counted every expected change within the time-out.
+    pub caught_up: bool,
+    /// From the last write until it caught up (or gave up).
+    pub waited_seconds: f64,
+    pub npl: Option<HistSummary>,
+    pub npl_histogram: Option<Histogram>,
+    /// Exact latency of a single change: the end of the first sync that counted it - trigger.
+    pub npl_exact: Option<f64>,
+    pub sync: Option<HistSummary>,
+    pub sync_histogram: Option<Histogram>,
+    pub partial_sync: Option<HistSummary>,
+    pub full_sync: Option<HistSummary>,
+    /// Why it did not catch up, when it did not.
+    pub note: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Watches {
+    pub seconds: u64,
+    pub baseline: StormRun,
+    pub storm: StormRun,
+    /// Watches the simulated fleet asked for and got established.
+    pub storm_requested: usize,
+    pub storm_established: usize,
+    pub storm_failed: usize,
+    pub storm_bytes_received: u64,
+    pub storm_events_bytes_per_second: f64,
+    pub storm_ended_early: usize,
+}
+
+/// The API server during one churn run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StormRun {
+    /// `apiserver_longrunning_requests{verb="WATCH"}` summed.
+    pub watches: Option<f64>,
+    /// `apiserver_registered_watchers` summed (absent in some versions).
+    pub registered_watchers: Option<f64>,
+    pub apiserver_cpu_seconds: f64,
+    pub apiserver_cpu_cores: f64,
+    pub apiserver_rss_bytes: u64,
+    pub apiserver_peak_rss_bytes: u64,
+    pub changes: usize,
+}
+
+/// One row of the targets table.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Target {
+    pub figure: String,
+    pub target: String,
+    pub measured: String,
+    pub kube_proxy: String,
+    /// splitproxy / kube-proxy, when both are numbers.
+    pub ratio: Option<f64>,
+    /// `None` when there is nothing to judge.
+    pub met: Option<bool>,
+    pub note: String,
+}

@@ -1,0 +1,239 @@
+//! One benchmark run from start to finish: control plane and namespaces, workload, cold start,
+//! kube-proxy, the change phases, the watch comparison, then the JSON result, the plots and the
+//! report. A phase that fails becomes a note and the run goes on, so that one run always leaves
+//! a result; every component is stopped when the rig drops, also on error.
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+
+use crate::cli::BenchArgs;
+use crate::fleet;
+use crate::measure::procstat::Watched;
+use crate::measure::stats::LatencyHist;
+use crate::phases::{Bench, changes, cold, watches};
+use crate::results::{BenchResult, Config};
+use crate::rig::Rig;
+use crate::workload::{Workload, Writer, node_name};
+
+/// The environment variable through which tools/bench.sh passes the command the user typed.
+pub const COMMAND_ENV: &str = "SPLITPROXY_BENCH_COMMAND";
+
+/// The command line to print and record.
+pub fn command_line() -> String {
+    if let Ok(c) = std::env::var(COMMAND_ENV)
+        && !c.trim().is_empty()
+    {
+        return c;
+    }
+    std::env::args()
+        .map(|a| {
+            if a.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./=,:".contains(c))
+            {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Raises the open-file limit of this process (and so of every component it spawns): 5,000
+/// gRPC streams, the brain's side of them and the watch storm need far more than 1,024.
+pub fn raise_nofile() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let want: u64 = 1 << 20;
+    if setrlimit(Resource::RLIMIT_NOFILE, want, want).is_err()
+        && let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+    {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+    if let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        println!("[bench] open files limit {soft}");
+    }
+}
+
+/// Runs the benchmark and writes its outputs. Returns the result (also on partial failure).
+pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
+    args.validate()?;
+    let command = command_line();
+    println!("[bench] command: {command}");
+    let started = Instant::now();
+    let mut result = BenchResult {
+        command,
+        started_at: k8s_openapi::jiff::Timestamp::now()
+            .round(k8s_openapi::jiff::Unit::Second)?
+            .to_string(),
+        machine: crate::machine::machine(),
+        versions: crate::machine::versions(!args.skip_kube_proxy),
+        config: Config {
+            services: args.services,
+            endpoints: args.endpoints,
+            nodes: args.nodes,
+            real: args.real,
+            virtual_nodes: args.virtual_count(),
+            churn_seconds: args.churn_seconds,
+            churn_percent: args.churn_percent,
+            churn_per_second: args.churn_per_second(),
+            storm_seconds: args.storm_seconds,
+            kube_proxy: !args.skip_kube_proxy,
+            watch_storm: !args.skip_watch_storm,
+        },
+        ..Default::default()
+    };
+    raise_nofile();
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let logs = args.out.join("logs");
+    let _ = std::fs::remove_dir_all(&logs);
+
+    println!(
+        "[bench] starting etcd, kube-apiserver and {} node namespaces",
+        args.real + 1
+    );
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let rig = Rig::start(exe, &logs, args.real).await?;
+    let mut watched = Watched::default();
+    watched.add("kube-apiserver", rig.cp.apiserver_pid());
+    watched.add("etcd", rig.cp.etcd_pid());
+    watched.add(
+        "bench (virtual fleet, writer, watch storm)",
+        Some(std::process::id()),
+    );
+
+    let workload = Workload::new(args.services, args.endpoints, args.nodes, &rig.node_ips());
+    let writer = Writer::new(rig.cp.client(), args.write_concurrency);
+    println!(
+        "[bench] writing {} Nodes, {} Services and their EndpointSlices ({} in flight)",
+        args.nodes,
+        args.services + 1,
+        args.write_concurrency
+    );
+    result.workload = writer.write_all(&workload).await?;
+    println!(
+        "[bench] workload written: {} objects in {:.1} s ({:.0}/s)",
+        result.workload.objects, result.workload.seconds, result.workload.objects_per_second
+    );
+
+    let fleet_names: Vec<String> = (args.real + 1..args.real + 1 + args.virtual_count())
+        .map(node_name)
+        .collect();
+    println!(
+        "[bench] issuing {} virtual node certificates",
+        fleet_names.len()
+    );
+    let fleet_nodes = fleet::issue(&rig.pki, &fleet_names).await?;
+
+    let mut b = Bench {
+        args: args.clone(),
+        rig,
+        writer,
+        workload,
+        watched,
+        notes: Vec::new(),
+        npl_all: LatencyHist::default(),
+    };
+    result.cold_start = cold::splitproxy(&mut b, fleet_nodes).await?;
+    if !args.skip_kube_proxy {
+        match cold::kube_proxy(&mut b).await {
+            Ok(k) => result.kube_proxy_cold_start = Some(k),
+            Err(e) => b.notes.push(format!("kube-proxy: {e:#}")),
+        }
+    }
+
+    let phases: [(&str, PhaseFn); 4] = [
+        ("endpoint_flip", |b| {
+            Box::pin(async { Ok(vec![changes::endpoint_flip(b).await?]) })
+        }),
+        ("rolling_update", |b| {
+            Box::pin(async { Ok(vec![changes::rolling_update(b).await?]) })
+        }),
+        ("service_add_delete", |b| {
+            Box::pin(async {
+                let (a, d) = changes::service_add_delete(b).await?;
+                Ok(vec![a, d])
+            })
+        }),
+        ("churn", |b| {
+            Box::pin(async { Ok(vec![changes::churn(b).await?]) })
+        }),
+    ];
+    for (name, f) in phases {
+        match f(&mut b).await {
+            Ok(p) => result.phases.extend(p),
+            Err(e) => b.notes.push(format!("phase {name} failed: {e:#}")),
+        }
+    }
+    if !args.skip_watch_storm {
+        match watches::compare(&mut b).await {
+            Ok(w) => result.watches = Some(w),
+            Err(e) => b.notes.push(format!("watch comparison failed: {e:#}")),
+        }
+    }
+
+    result.seconds = started.elapsed().as_secs_f64();
+    result.targets = crate::report::targets(&result, &b.npl_all.summary());
+    result.notes.append(&mut b.notes);
+    write_outputs(&args, &mut result, &b.npl_all)?;
+    println!("[bench] stopping every component");
+    drop(b);
+    Ok(result)
+}
+
+type PhaseFn = for<'a> fn(
+    &'a mut Bench,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = anyhow::Result<Vec<crate::results::Phase>>> + 'a>,
+>;
+
+/// The JSON result, the plots and the report.
+fn write_outputs(
+    args: &BenchArgs,
+    r: &mut BenchResult,
+    npl_all: &LatencyHist,
+) -> anyhow::Result<()> {
+    let plots = match crate::plots::draw_all(r, npl_all, &args.out) {
+        Ok(p) => p,
+        Err(e) => {
+            r.notes.push(format!("plots skipped: {e:#}"));
+            Vec::new()
+        }
+    };
+    let json = args.out.join("result.json");
+    std::fs::write(&json, serde_json::to_vec_pretty(r)?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    println!("[bench] wrote {}", json.display());
+    write_report(&args.report, &args.out, r, &plots)?;
+    println!("[bench] wrote {}", args.report.display());
+    for t in &r.targets {
+        println!(
+            "[bench] target {}: {} (target {}; kube-proxy {}){}",
+            t.figure,
+            t.measured,
+            t.target,
+            t.kube_proxy,
+            match t.met {
+                Some(true) => " met",
+                Some(false) => " MISSED",
+                None => "",
+            }
+        );
+    }
+    Ok(())
+}
+
+fn write_report(
+    report: &Path,
+    out: &Path,
+    r: &BenchResult,
+    plots: &[String],
+) -> anyhow::Result<()> {
+    if let Some(dir) = report.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let rel = crate::report::relative(report, out);
+    std::fs::write(report, crate::report::markdown(r, &rel, plots))
+        .with_context(|| format!("writing {}", report.display()))
+}

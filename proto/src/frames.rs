@@ -1,0 +1,141 @@
+//! Updates whose body is encoded once and shared.
+//!
+//! Thousands of nodes standing at the same version get the same delta (or snapshot). Protobuf
+//! fields may be encoded in any order and concatenated, so an `Update` is written as the few
+//! per-node fields (epoch, generation, base generation) followed by the shared, pre-encoded
+//! rest (body, trigger times, objects, digest). The brain pays the encoding once per distinct
+//! update, and per node only the copy into the stream (invariant 4).
+use bytes::{Buf, BufMut, Bytes};
+use prost::Message;
+use prost::encoding::{DecodeContext, WireType};
+
+use crate::v1::{Update, update::Body};
+
+/// Wire-identical to [`Update`]; only ever encoded.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UpdateFrame {
+    pub brain_epoch: u64,
+    pub generation: u64,
+    pub base_generation: u64,
+    /// Fields 4 and up of `Update`, already encoded (see [`encode_shared`]).
+    pub shared: Bytes,
+}
+
+/// Encodes the fields every node at the same base shares: body, trigger times, objects,
+/// digest. `frame.shared` takes the result.
+pub fn encode_shared(
+    body: Body,
+    trigger_times: Vec<prost_types::Timestamp>,
+    objects: Vec<String>,
+    digest: Vec<u8>,
+) -> Bytes {
+    let partial = Update {
+        body: Some(body),
+        trigger_times,
+        objects,
+        digest,
+        ..Default::default()
+    };
+    Bytes::from(partial.encode_to_vec())
+}
+
+impl Message for UpdateFrame {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        if self.brain_epoch != 0 {
+            prost::encoding::uint64::encode(1, &self.brain_epoch, buf);
+        }
+        if self.generation != 0 {
+            prost::encoding::uint64::encode(2, &self.generation, buf);
+        }
+        if self.base_generation != 0 {
+            prost::encoding::uint64::encode(3, &self.base_generation, buf);
+        }
+        buf.put_slice(&self.shared);
+    }
+
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        match tag {
+            1 => prost::encoding::uint64::merge(wire_type, &mut self.brain_epoch, buf, ctx),
+            2 => prost::encoding::uint64::merge(wire_type, &mut self.generation, buf, ctx),
+            3 => prost::encoding::uint64::merge(wire_type, &mut self.base_generation, buf, ctx),
+            _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
+        }
+    }
+
+    fn encoded_len(&self) -> usize {
+        let f = |tag, v: &u64| {
+            if *v != 0 {
+                prost::encoding::uint64::encoded_len(tag, v)
+            } else {
+                0
+            }
+        };
+        f(1, &self.brain_epoch)
+            + f(2, &self.generation)
+            + f(3, &self.base_generation)
+            + self.shared.len()
+    }
+
+    fn clear(&mut self) {
+        *self = UpdateFrame::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::v1::{Ruleset, RulesetDelta, Table};
+
+    #[test]
+    fn frames_decode_as_updates() {
+        let delta = RulesetDelta {
+            upsert: vec![Table {
+                family: 2,
+                name: "splitproxy".into(),
+                ..Default::default()
+            }],
+            remove: vec![],
+        };
+        let shared = encode_shared(
+            Body::Delta(delta.clone()),
+            vec![prost_types::Timestamp {
+                seconds: 5,
+                nanos: 6,
+            }],
+            vec!["EndpointSlice a/b".into()],
+            vec![1, 2, 3],
+        );
+        let frame = UpdateFrame {
+            brain_epoch: 7,
+            generation: 9,
+            base_generation: 8,
+            shared,
+        };
+        let bytes = frame.encode_to_vec();
+        assert_eq!(bytes.len(), frame.encoded_len());
+        let u = Update::decode(&bytes[..]).unwrap();
+        assert_eq!((u.brain_epoch, u.generation, u.base_generation), (7, 9, 8));
+        assert_eq!(u.body, Some(Body::Delta(delta)));
+        assert_eq!(u.trigger_times[0].nanos, 6);
+        assert_eq!(u.objects, vec!["EndpointSlice a/b".to_string()]);
+        assert_eq!(u.digest, vec![1, 2, 3]);
+        // A snapshot frame too.
+        let shared = encode_shared(Body::Snapshot(Ruleset::default()), vec![], vec![], vec![]);
+        let u = Update::decode(
+            &UpdateFrame {
+                generation: 1,
+                shared,
+                ..Default::default()
+            }
+            .encode_to_vec()[..],
+        )
+        .unwrap();
+        assert_eq!(u.body, Some(Body::Snapshot(Ruleset::default())));
+    }
+}
