@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use prost::Message;
 use splitproxy_proto::model::element_key_bytes;
 use splitproxy_proto::model::{Model, TableKey, family_name};
-use splitproxy_proto::v1::{Family, RulesetDelta, Update, update::Body};
+use splitproxy_proto::v1::{Family, Table, TableRemoval, Update, update::Body};
 
 use crate::nft::{Batch, NftSocket};
 
@@ -68,8 +68,28 @@ impl Applier {
 
     /// Applies one update in one transaction and returns the time the kernel work took.
     pub fn apply(&mut self, update: &Update) -> Result<Duration, ApplyError> {
-        let (delta, snapshot) = match update.body.as_ref().ok_or(ApplyError::Empty)? {
-            Body::Snapshot(r) => (self.model.diff(&Model::from_ruleset(r)), true),
+        let (next, batch) = match update.body.as_ref().ok_or(ApplyError::Empty)? {
+            Body::Snapshot(r) => {
+                let target = Model::from_ruleset(r);
+                self.check_digest(update, &target)?;
+                let batch = if self.adopted {
+                    let delta = self.model.diff(&target);
+                    self.check_ownership(&delta.upsert, &delta.remove)?;
+                    self.batch(&self.model, &delta.upsert, &delta.remove)?
+                } else {
+                    // First update of this process: the kernel may hold a table from a previous
+                    // run. Replace it whole, straight from the snapshot, in one transaction, so
+                    // packets see either the old table or the new one (invariant 5).
+                    self.check_ownership(&r.tables, &[])?;
+                    let mut b = Batch::new();
+                    for family in [Family::Ip, Family::Ip6] {
+                        b.destroy_table(family, &self.table);
+                    }
+                    self.encode(&mut b, &Model::default(), &r.tables, &[])?;
+                    b
+                };
+                (target, batch)
+            }
             Body::Delta(d) => {
                 if update.brain_epoch != self.applied.brain_epoch
                     || update.base_generation != self.applied.generation
@@ -79,20 +99,13 @@ impl Applier {
                         applied: self.applied.generation,
                     });
                 }
-                (d.clone(), false)
+                self.check_ownership(&d.upsert, &d.remove)?;
+                let mut next = self.model.clone();
+                next.apply(d);
+                self.check_digest(update, &next)?;
+                let batch = self.batch(&self.model, &d.upsert, &d.remove)?;
+                (next, batch)
             }
-        };
-        self.check_ownership(&delta)?;
-        let mut next = self.model.clone();
-        next.apply(&delta);
-        if !update.digest.is_empty() && next.digest() != update.digest {
-            return Err(ApplyError::Digest);
-        }
-        let replace_all = snapshot && !self.adopted;
-        let batch = if replace_all {
-            self.replace_batch(&next)?
-        } else {
-            self.delta_batch(&delta)?
         };
         let start = Instant::now();
         if !batch.is_empty() || batch.error().is_some() {
@@ -111,12 +124,18 @@ impl Applier {
         Ok(took)
     }
 
-    fn check_ownership(&self, delta: &RulesetDelta) -> Result<(), ApplyError> {
-        let names = delta
-            .upsert
+    fn check_digest(&self, update: &Update, next: &Model) -> Result<(), ApplyError> {
+        if !update.digest.is_empty() && next.digest() != update.digest {
+            return Err(ApplyError::Digest);
+        }
+        Ok(())
+    }
+
+    fn check_ownership(&self, upsert: &[Table], remove: &[TableRemoval]) -> Result<(), ApplyError> {
+        let names = upsert
             .iter()
             .map(|t| (t.family, &t.name))
-            .chain(delta.remove.iter().map(|t| (t.family, &t.name)));
+            .chain(remove.iter().map(|t| (t.family, &t.name)));
         for (family, name) in names {
             let family_ok = matches!(Family::try_from(family), Ok(Family::Ip | Family::Ip6));
             if !family_ok || *name != self.table {
@@ -130,48 +149,40 @@ impl Applier {
         Ok(())
     }
 
-    /// Replaces our tables whole: destroy (absent is fine) and re-create them in one
-    /// transaction, so that packets see either the old table or the new one.
-    fn replace_batch(&self, target: &Model) -> Result<Batch, ApplyError> {
+    fn batch(
+        &self,
+        base: &Model,
+        upsert: &[Table],
+        remove: &[TableRemoval],
+    ) -> Result<Batch, ApplyError> {
         let mut b = Batch::new();
-        for family in [Family::Ip, Family::Ip6] {
-            b.destroy_table(family, &self.table);
-        }
-        let delta = Model::default().diff(target);
-        self.encode_delta(&mut b, &Model::default(), &delta)?;
+        self.encode(&mut b, base, upsert, remove)?;
         Ok(b)
     }
 
-    fn delta_batch(&self, delta: &RulesetDelta) -> Result<Batch, ApplyError> {
-        let mut b = Batch::new();
-        self.encode_delta(&mut b, &self.model, delta)?;
-        Ok(b)
-    }
-
-    /// The messages that take `base` through `delta`, in an order the kernel accepts: objects
+    /// The messages that take `base` through the delta (`remove`, then `upsert`), in an order the kernel accepts: objects
     /// exist before anything refers to them, and references go before what they point to.
-    fn encode_delta(
+    fn encode(
         &self,
         b: &mut Batch,
         base: &Model,
-        delta: &RulesetDelta,
+        upsert: &[Table],
+        remove: &[TableRemoval],
     ) -> Result<(), ApplyError> {
         let enc = |e: crate::nft::EncodeError| ApplyError::Encode(e.to_string());
         let fam = |f: i32| Family::try_from(f).unwrap_or(Family::Unspecified);
         let empty = Default::default();
-        let whole_removed: BTreeSet<TableKey> = delta
-            .remove
+        let whole_removed: BTreeSet<TableKey> = remove
             .iter()
             .filter(|r| r.whole)
             .map(|r| (r.family, r.name.clone()))
             .collect();
 
         // 1. New tables, chains and sets that do not exist yet.
-        for up in &delta.upsert {
+        for up in upsert {
             let key = (up.family, up.name.clone());
             let old = base.tables.get(&key).unwrap_or(&empty);
-            let removed_sets: BTreeSet<&String> = delta
-                .remove
+            let removed_sets: BTreeSet<&String> = remove
                 .iter()
                 .filter(|r| (r.family, &r.name) == (up.family, &up.name))
                 .flat_map(|r| r.sets.iter())
@@ -196,7 +207,7 @@ impl Applier {
         }
         // 2. Elements that go away, and elements whose value changes (the kernel refuses to
         //    overwrite a map element's value in place).
-        for rm in delta.remove.iter().filter(|r| !r.whole) {
+        for rm in remove.iter().filter(|r| !r.whole) {
             let Some(old) = base.tables.get(&(rm.family, rm.name.clone())) else {
                 continue;
             };
@@ -207,7 +218,7 @@ impl Applier {
                 }
             }
         }
-        for up in &delta.upsert {
+        for up in upsert {
             let Some(old) = base.tables.get(&(up.family, up.name.clone())) else {
                 continue;
             };
@@ -236,7 +247,7 @@ impl Applier {
             }
         }
         // 3. Rules of chains that are replaced or removed.
-        for up in &delta.upsert {
+        for up in upsert {
             if let Some(old) = base.tables.get(&(up.family, up.name.clone())) {
                 for c in up
                     .chains
@@ -247,18 +258,17 @@ impl Applier {
                 }
             }
         }
-        for rm in delta.remove.iter().filter(|r| !r.whole) {
+        for rm in remove.iter().filter(|r| !r.whole) {
             for c in &rm.chains {
                 b.flush_chain(fam(rm.family), &rm.name, c);
             }
         }
         // 4. Sets that go away (their users were flushed above); re-created ones come back.
-        for rm in delta.remove.iter().filter(|r| !r.whole) {
+        for rm in remove.iter().filter(|r| !r.whole) {
             for s in &rm.sets {
                 b.del_set(fam(rm.family), &rm.name, s);
             }
-            for up in delta
-                .upsert
+            for up in upsert
                 .iter()
                 .filter(|u| (u.family, &u.name) == (rm.family, &rm.name))
             {
@@ -268,13 +278,13 @@ impl Applier {
             }
         }
         // 5. New elements, then rules (which may refer to sets and chains).
-        for up in &delta.upsert {
+        for up in upsert {
             for s in up.sets.iter().filter(|s| !s.elements.is_empty()) {
                 b.add_elements(fam(up.family), &up.name, s, &s.elements)
                     .map_err(enc)?;
             }
         }
-        for up in &delta.upsert {
+        for up in upsert {
             for c in &up.chains {
                 for r in &c.rules {
                     b.add_rule(fam(up.family), &up.name, &c.name, r)
@@ -283,7 +293,7 @@ impl Applier {
             }
         }
         // 6. Chains and tables that go away.
-        for rm in delta.remove.iter().filter(|r| !r.whole) {
+        for rm in remove.iter().filter(|r| !r.whole) {
             for c in &rm.chains {
                 b.del_chain(fam(rm.family), &rm.name, c);
             }
