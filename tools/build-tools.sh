@@ -4,7 +4,8 @@
 # is already in the cache is not rebuilt, so a warm run takes well under a second.
 #
 #   tools/build-tools.sh [SET|NAME ...]
-#     test   etcd kube-apiserver grpcurl                  (default; what `tests` needs)
+#     test   etcd kube-apiserver grpcurl kube-proxy       (default; what the tests need, including
+#            the benchmark's small-scale run)
 #     bench  test + kube-proxy kube-controller-manager kwok
 #     all    bench + helm
 #     NAME   any single binary of the above
@@ -79,7 +80,7 @@ names=()
 [ $# -eq 0 ] && set -- test
 for arg in "$@"; do
   case $arg in
-    test) names+=(etcd kube-apiserver grpcurl) ;;
+    test) names+=(etcd kube-apiserver grpcurl kube-proxy) ;;
     bench) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok) ;;
     all) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok helm) ;;
     *) names+=("$arg") ;;

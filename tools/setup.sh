@@ -3,6 +3,7 @@
 # (nftables for `nft -j` checks, iproute2 for namespaces, conntrack, nsenter), then the pinned
 # Go-built binaries (cached by version, so a warm run is instant).
 #   tools/setup.sh [test|bench|all]
+# (the test set includes kube-proxy: the benchmark's small-scale run is part of the tests)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 need=()
@@ -11,6 +12,8 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v conntrack >/dev/null || need+=(conntrack)
 command -v nsenter >/dev/null || need+=(util-linux)
 command -v curl >/dev/null || need+=(curl)
+# The benchmark's plots (also drawn by its small-scale test) need a font file, not fontconfig.
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ ${#need[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages: ${need[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive

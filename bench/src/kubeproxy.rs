@@ -105,7 +105,7 @@ impl KubeProxy {
                 );
             }
             if let Ok(s) = self.scrape(ns)
-                && s.max(LAST_SYNC).unwrap_or(0.0) > 0.0
+                && s.max_where(LAST_SYNC, ipv4).unwrap_or(0.0) > 0.0
             {
                 return Ok(Some(self.started.elapsed()));
             }
@@ -147,7 +147,7 @@ impl KpScrape {
             full_sync: h(FULL_SYNC),
             partial_sync: h(PARTIAL_SYNC),
             npl: h(NPL),
-            last_sync: s.max(LAST_SYNC),
+            last_sync: s.max_where(LAST_SYNC, ipv4),
         }
     }
 }

@@ -19,8 +19,30 @@ fn main() -> anyhow::Result<()> {
             splitproxy_actuator::init_logging(&args.log_format);
             runtime.block_on(splitproxy_actuator::run::run(args))
         }
-        None => runtime
-            .block_on(splitproxy_bench::run::run(cli.bench))
-            .map(drop),
+        None => runtime.block_on(async {
+            // On SIGINT or SIGTERM the run is dropped, which stops every component it started
+            // and removes its namespaces.
+            tokio::select! {
+                r = splitproxy_bench::run::run(cli.bench) => r.map(drop),
+                s = shutdown() => {
+                    eprintln!("[bench] {s}: stopping every component");
+                    Err(anyhow::anyhow!("interrupted by {s}"))
+                }
+            }
+        }),
+    }
+}
+
+async fn shutdown() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
     }
 }

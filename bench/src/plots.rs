@@ -61,6 +61,16 @@ pub fn draw_all(r: &BenchResult, npl_all: &LatencyHist, out: &Path) -> anyhow::R
     Ok(written)
 }
 
+/// Axis labels without float noise (0.3, not 0.30000000000000004).
+fn secs_label(x: &f64) -> String {
+    if *x >= 0.001 {
+        let s = format!("{x:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        format!("{x:.0e}")
+    }
+}
+
 /// Points of a cumulative Prometheus histogram as a CDF (finite buckets only).
 fn hist_points(h: &Histogram) -> Vec<(f64, f64)> {
     if h.count <= 0.0 {
@@ -110,6 +120,7 @@ fn npl_cdf(sp: &LatencyHist, kp: Option<&Histogram>, path: &Path) -> anyhow::Res
         .build_cartesian_2d((lo..hi).log_scale(), 0f64..1.0)?;
     chart
         .configure_mesh()
+        .x_label_formatter(&secs_label)
         .x_desc("seconds from trigger time to applied on the node (log)")
         .y_desc("fraction of (node, change) samples")
         .label_style(("sans-serif", 15))
@@ -161,6 +172,7 @@ fn hist_cdfs(title: &str, series: &[(String, Histogram)], path: &Path) -> anyhow
         .build_cartesian_2d((lo..hi).log_scale(), 0f64..1.0)?;
     chart
         .configure_mesh()
+        .x_label_formatter(&secs_label)
         .x_desc("seconds (log; histogram bucket bounds)")
         .y_desc("fraction of publications")
         .label_style(("sans-serif", 15))

@@ -12,10 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use splitproxy_proto::v1::dataplane_client::DataplaneClient;
 use splitproxy_proto::v1::{ListNodesRequest, ListNodesResponse};
 use splitproxy_tests::certs::{Pki, TlsFiles};
 use splitproxy_tests::deploy::{ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, http_get_in};
 use splitproxy_tests::{Cluster, ClusterSpec, ControlPlane, ControlPlaneOptions};
+use tonic::transport::Channel;
 
 use crate::fleet::Fleet;
 use crate::kubeproxy::KubeProxy;
@@ -35,6 +37,9 @@ pub struct Rig {
     pub exe: PathBuf,
     pub dir: PathBuf,
     pub real: usize,
+    /// One operator connection to the brain, reused by every poll (a TLS handshake per poll
+    /// would load the brain being measured).
+    operator: tokio::sync::OnceCell<DataplaneClient<Channel>>,
 }
 
 impl Rig {
@@ -72,6 +77,7 @@ impl Rig {
             exe,
             dir: dir.to_path_buf(),
             real,
+            operator: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -158,8 +164,13 @@ impl Rig {
 
     /// The brain's ListNodes, through an operator client.
     pub async fn list_nodes(&self) -> anyhow::Result<ListNodesResponse> {
-        let mut client =
-            splitproxy_tests::deploy::grpc_client(self.brain_grpc()?, &self.operator_tls).await?;
+        let mut client = self
+            .operator
+            .get_or_try_init(|| async {
+                splitproxy_tests::deploy::grpc_client(self.brain_grpc()?, &self.operator_tls).await
+            })
+            .await?
+            .clone();
         let resp = tokio::time::timeout(
             Duration::from_secs(30),
             client.list_nodes(ListNodesRequest {}),

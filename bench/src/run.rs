@@ -135,9 +135,35 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
         notes: Vec::new(),
         npl_all: LatencyHist::default(),
     };
-    result.cold_start = cold::splitproxy(&mut b, fleet_nodes).await?;
+    // A failed cold start (the brain exiting, for one) still leaves a result that says so.
+    let alive = match cold::splitproxy(&mut b, fleet_nodes).await {
+        Ok(c) => {
+            result.cold_start = c;
+            true
+        }
+        Err(e) => {
+            println!("[bench] cold start failed: {e:#}");
+            b.notes
+                .push(format!("cold start failed, no further phase ran: {e:#}"));
+            false
+        }
+    };
+    if alive {
+        changes_and_watches(&mut b, &args, &mut result).await;
+    }
+    result.seconds = started.elapsed().as_secs_f64();
+    result.targets = crate::report::targets(&result, &b.npl_all.summary());
+    result.notes.append(&mut b.notes);
+    write_outputs(&args, &mut result, &b.npl_all)?;
+    println!("[bench] stopping every component");
+    drop(b);
+    Ok(result)
+}
+
+/// kube-proxy, the change phases and the watch comparison; failures become notes.
+async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut BenchResult) {
     if !args.skip_kube_proxy {
-        match cold::kube_proxy(&mut b).await {
+        match cold::kube_proxy(b).await {
             Ok(k) => result.kube_proxy_cold_start = Some(k),
             Err(e) => b.notes.push(format!("kube-proxy: {e:#}")),
         }
@@ -161,25 +187,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
         }),
     ];
     for (name, f) in phases {
-        match f(&mut b).await {
+        match f(b).await {
             Ok(p) => result.phases.extend(p),
             Err(e) => b.notes.push(format!("phase {name} failed: {e:#}")),
         }
     }
     if !args.skip_watch_storm {
-        match watches::compare(&mut b).await {
+        match watches::compare(b).await {
             Ok(w) => result.watches = Some(w),
             Err(e) => b.notes.push(format!("watch comparison failed: {e:#}")),
         }
     }
-
-    result.seconds = started.elapsed().as_secs_f64();
-    result.targets = crate::report::targets(&result, &b.npl_all.summary());
-    result.notes.append(&mut b.notes);
-    write_outputs(&args, &mut result, &b.npl_all)?;
-    println!("[bench] stopping every component");
-    drop(b);
-    Ok(result)
 }
 
 type PhaseFn = for<'a> fn(

@@ -494,7 +494,7 @@ impl Writer {
 /// Prints a progress line every 10% (and at the end).
 fn progress(done: u32, total: usize, what: &str) {
     let step = (total / 10).max(1);
-    if done as usize % step == 0 || done as usize == total {
+    if (done as usize).is_multiple_of(step) || done as usize == total {
         println!("[bench] wrote {done}/{total} {what}");
     }
 }

@@ -96,7 +96,7 @@ fn main() -> anyhow::Result<()> {
         generation += 1;
         let u = Update {
             brain_epoch: 1,
-            generation: generation,
+            generation,
             base_generation: generation - 1,
             digest: next.digest(),
             body: Some(Body::Delta(prev.diff(&next))),

@@ -110,9 +110,14 @@ impl Scrape {
 
     /// The largest value of any series of `name`.
     pub fn max(&self, name: &str) -> Option<f64> {
+        self.max_where(name, |_| true)
+    }
+
+    /// The largest value of the series of `name` whose labels satisfy `pred`.
+    pub fn max_where(&self, name: &str, pred: impl Fn(&[(String, String)]) -> bool) -> Option<f64> {
         self.lines
             .iter()
-            .filter(|l| l.name == name)
+            .filter(|l| l.name == name && pred(&l.labels))
             .map(|l| l.value)
             .reduce(f64::max)
     }
@@ -157,9 +162,14 @@ impl Scrape {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct OrdF64(f64);
 impl Eq for OrdF64 {}
+impl PartialOrd for OrdF64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 impl Ord for OrdF64 {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&other.0)

@@ -153,7 +153,7 @@ impl Bench {
                     return true;
                 }
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         run.notes.push(format!(
             "splitproxy did not converge within {:?} (virtual nodes at the last change: {}/{})",
@@ -290,11 +290,6 @@ impl Bench {
         let mut last = None;
         while Instant::now() < deadline {
             if let Some(now) = self.kube_proxy_scrape() {
-                eprintln!(
-                    "DEBUG kp npl={:?} last={:?}",
-                    now.npl.as_ref().map(|h| h.count),
-                    now.last_sync
-                );
                 let counted = now.npl.as_ref().map_or(0.0, |h| h.count) - base_npl;
                 let synced_after = now.last_sync.unwrap_or(0.0) >= unix(last_write);
                 if let (Some(t), None, true) = (single, out.npl_exact, counted >= 1.0) {
