@@ -100,8 +100,27 @@ async fn stream_once(
     let mut updates = client.sync(ReceiverStream::new(rx)).await?.into_inner();
     tracing::info!(%brain, node = %config.node, "stream open");
     health.metrics.set_connected(true);
+    // Parts of one update (same generation, `more` on all but the last) are joined and
+    // applied as one transaction.
+    let mut parts: Vec<Update> = Vec::new();
     while let Some(update) = updates.next().await {
         let update = update?;
+        if parts
+            .first()
+            .is_some_and(|p| p.generation != update.generation)
+        {
+            anyhow::bail!(
+                "update parts of generations {} and {} interleave",
+                parts[0].generation,
+                update.generation
+            );
+        }
+        let more = update.more;
+        parts.push(update);
+        if more {
+            continue;
+        }
+        let update = join(std::mem::take(&mut parts))?;
         let ack = apply(update, applier, health).await;
         tx.send(SyncRequest {
             msg: Some(sync_request::Msg::Ack(ack)),
@@ -109,6 +128,26 @@ async fn stream_once(
         .await?;
     }
     Ok(())
+}
+
+/// Joins the parts of one update: bodies joined, trigger times and objects collected, the rest
+/// from the last part.
+fn join(parts: Vec<Update>) -> anyhow::Result<Update> {
+    let mut bodies = Vec::with_capacity(parts.len());
+    let mut out = Update::default();
+    for mut p in parts {
+        bodies.extend(p.body.take());
+        out.trigger_times.append(&mut p.trigger_times);
+        out.objects.append(&mut p.objects);
+        out = Update {
+            body: None,
+            trigger_times: out.trigger_times,
+            objects: out.objects,
+            ..p
+        };
+    }
+    out.body = Some(splitproxy_proto::parts::join(bodies)?);
+    Ok(out)
 }
 
 /// Applies one update off the async runtime (netlink is blocking) and builds its answer.

@@ -14,7 +14,9 @@ use bytes::{Buf, BufMut, Bytes};
 use prost::Message;
 use prost::encoding::{DecodeContext, WireType};
 use splitproxy_proto::model::Model;
-use splitproxy_proto::v1::{self, Ack, Hello, Ruleset, RulesetDelta, SyncRequest, sync_request};
+use splitproxy_proto::v1::{
+    self, Ack, Hello, Ruleset, RulesetDelta, SyncRequest, sync_request, update::Body,
+};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -197,8 +199,19 @@ impl VirtualFleet {
             .into_inner();
         self.connected.fetch_add(1, Ordering::Relaxed);
         let result = async {
+            let mut pending: Option<Envelope> = None;
             while let Some(env) = updates.next().await {
-                let env = env?;
+                let env = match (pending.take(), env?) {
+                    (Some(mut first), next) if first.generation == next.generation => {
+                        first.absorb(next);
+                        first
+                    }
+                    (_, next) => next,
+                };
+                if env.more {
+                    pending = Some(env);
+                    continue;
+                }
                 let ack = self.apply(&node.name, env, held);
                 tx.send(SyncRequest {
                     msg: Some(sync_request::Msg::Ack(ack)),
@@ -268,8 +281,9 @@ impl VirtualFleet {
             return Ok(m);
         }
         let model = if env.base_generation == 0 {
-            let r = Ruleset::decode(env.snapshot.as_ref().ok_or("no body")?.clone())
-                .map_err(|e| e.to_string())?;
+            let Body::Snapshot(r) = env.body()? else {
+                return Err("snapshot expected".into());
+            };
             Model::from_ruleset(&r)
         } else {
             let h = held.ok_or("delta without a base")?;
@@ -279,8 +293,9 @@ impl VirtualFleet {
                     env.base_generation, h.generation
                 ));
             }
-            let d = RulesetDelta::decode(env.delta.as_ref().ok_or("no body")?.clone())
-                .map_err(|e| e.to_string())?;
+            let Body::Delta(d) = env.body()? else {
+                return Err("delta expected".into());
+            };
             let mut m = (*h.model).clone();
             m.apply(&d);
             m
@@ -311,17 +326,46 @@ struct Held {
     model: Arc<Model>,
 }
 
-/// An `Update` whose body stays encoded until someone needs it.
+/// An `Update` whose body stays encoded until someone needs it; the parts of a split update
+/// are absorbed into the first.
 #[derive(Debug, Clone, Default)]
 struct Envelope {
     brain_epoch: u64,
     generation: u64,
     base_generation: u64,
-    snapshot: Option<Bytes>,
-    delta: Option<Bytes>,
+    snapshot: bool,
+    /// Encoded bodies of every part so far.
+    bodies: Vec<Bytes>,
     trigger_times: Vec<SystemTime>,
     digest: Vec<u8>,
+    more: bool,
     wire_len: usize,
+}
+
+impl Envelope {
+    fn absorb(&mut self, next: Envelope) {
+        self.bodies.extend(next.bodies);
+        self.trigger_times.extend(next.trigger_times);
+        self.wire_len += next.wire_len;
+        self.digest = next.digest;
+        self.more = next.more;
+    }
+
+    fn body(&self) -> Result<Body, String> {
+        let parts = self
+            .bodies
+            .iter()
+            .map(|b| {
+                if self.snapshot {
+                    Ruleset::decode(b.clone()).map(Body::Snapshot)
+                } else {
+                    RulesetDelta::decode(b.clone()).map(Body::Delta)
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        splitproxy_proto::parts::join(parts).map_err(|e| e.to_string())
+    }
 }
 
 impl Message for Envelope {
@@ -342,18 +386,13 @@ impl Message for Envelope {
             1 => uint64::merge(wire_type, &mut self.brain_epoch, buf, ctx),
             2 => uint64::merge(wire_type, &mut self.generation, buf, ctx),
             3 => uint64::merge(wire_type, &mut self.base_generation, buf, ctx),
-            4 => bytes::merge(
-                wire_type,
-                self.snapshot.get_or_insert_with(Bytes::new),
-                buf,
-                ctx,
-            ),
-            5 => bytes::merge(
-                wire_type,
-                self.delta.get_or_insert_with(Bytes::new),
-                buf,
-                ctx,
-            ),
+            4 | 5 => {
+                let mut b = Bytes::new();
+                bytes::merge(wire_type, &mut b, buf, ctx)?;
+                self.snapshot = tag == 4;
+                self.bodies.push(b);
+                Ok(())
+            }
             6 => {
                 let mut t = prost_types::Timestamp::default();
                 message::merge(wire_type, &mut t, buf, ctx)?;
@@ -364,6 +403,7 @@ impl Message for Envelope {
                 Ok(())
             }
             8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
+            9 => prost::encoding::bool::merge(wire_type, &mut self.more, buf, ctx),
             _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
         };
         self.wire_len += before - buf.remaining();

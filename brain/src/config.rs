@@ -37,6 +37,15 @@ pub struct Args {
     /// Use streaming lists (sendInitialEvents) for the initial lists; `false` uses paged lists.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub streaming_lists: bool,
+    /// Snapshots streamed at once; more nodes needing one wait their turn. Bounds the brain's
+    /// memory when many nodes connect together (each in-flight snapshot is buffered per stream).
+    #[arg(long, default_value_t = 32)]
+    pub max_concurrent_snapshots: usize,
+    /// Set elements per message: larger snapshots and deltas are sent in parts of this size,
+    /// which every node joins and applies as one transaction. Keeps every message (and every
+    /// stream's encode buffer) small.
+    #[arg(long, default_value_t = 2048)]
+    pub update_part_elements: usize,
     /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once
     /// listening; with port 0 this lets a supervisor learn the ports without races.
     #[arg(long)]

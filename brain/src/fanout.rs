@@ -9,6 +9,7 @@
 //! snapshot of one) is computed and encoded once and shared, as bytes, by every node that needs
 //! it; per node the brain only writes a few header fields (see `splitproxy_proto::frames`).
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -74,14 +75,22 @@ pub struct Fanout {
     desired_tx: watch::Sender<Arc<Desired>>,
     synced_tx: watch::Sender<bool>,
     changes: Mutex<VecDeque<Change>>,
-    bodies: Mutex<HashMap<BodyKey, Bytes>>,
+    bodies: Mutex<HashMap<BodyKey, Arc<Vec<Bytes>>>>,
     pending: Mutex<BTreeMap<u64, Pending>>,
     pub nodes: Mutex<HashMap<String, NodeState>>,
     pub metrics: Arc<Metrics>,
+    /// Snapshots that may be in flight at once (see `server::session`).
+    pub snapshot_permits: Arc<tokio::sync::Semaphore>,
+    /// Set elements per message; larger bodies are split into parts.
+    part_elements: usize,
 }
 
 impl Fanout {
-    pub fn new(metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(
+        metrics: Arc<Metrics>,
+        max_concurrent_snapshots: usize,
+        part_elements: usize,
+    ) -> Arc<Self> {
         let (desired_tx, _) = watch::channel(Arc::new(Desired::default()));
         let (synced_tx, _) = watch::channel(false);
         let epoch = std::time::SystemTime::now()
@@ -98,6 +107,10 @@ impl Fanout {
             pending: Mutex::new(BTreeMap::new()),
             nodes: Mutex::new(HashMap::new()),
             metrics,
+            snapshot_permits: Arc::new(tokio::sync::Semaphore::new(
+                max_concurrent_snapshots.max(1),
+            )),
+            part_elements: part_elements.max(1),
         })
     }
 
@@ -188,14 +201,15 @@ impl Fanout {
         NodeView::default()
     }
 
-    /// The next update for a node standing at `base` (version and model), towards `desired`;
-    /// `None` when the node already holds the desired model.
+    /// The next update for a node standing at `base` (version and model), towards `desired`,
+    /// as the frames to send in order (large bodies come in parts); `None` when the node
+    /// already holds the desired model.
     pub fn next_update(
         &self,
         node: &str,
         base: Option<&(u64, Arc<Model>)>,
         desired: &Desired,
-    ) -> Option<(UpdateFrame, Arc<Model>)> {
+    ) -> Option<(Vec<UpdateFrame>, Arc<Model>)> {
         let view = self.view_of(node);
         let target = desired.variants.get(&view)?.clone();
         if let Some((_, model)) = base
@@ -211,49 +225,54 @@ impl Fanout {
                 None => Body::Snapshot(target.to_ruleset()),
             };
             let (trigger_times, objects) = self.changes_between(base_version, desired.version);
-            encode_shared(body, trigger_times, objects, target.digest())
+            encode_shared(
+                body,
+                trigger_times,
+                objects,
+                target.digest(),
+                self.part_elements,
+            )
         });
         let (generation, base_generation) = {
             let mut nodes = self.nodes.lock().ok()?;
             let st = nodes.entry(node.to_string()).or_default();
             st.generation += 1;
-            (
-                st.generation,
-                if base.is_some() {
-                    st.acked_generation
-                } else {
-                    0
-                },
-            )
+            let base_generation = if base.is_some() {
+                st.acked_generation
+            } else {
+                0
+            };
+            (st.generation, base_generation)
         };
-        let frame = UpdateFrame {
-            brain_epoch: self.epoch,
-            generation,
-            base_generation,
-            shared,
-        };
+        let frames: Vec<UpdateFrame> = shared
+            .iter()
+            .map(|part| UpdateFrame {
+                brain_epoch: self.epoch,
+                generation,
+                base_generation,
+                shared: part.clone(),
+            })
+            .collect();
+        let bytes: usize = frames.iter().map(prost::Message::encoded_len).sum();
         let m = &self.metrics;
-        m.updates_sent
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        m.update_bytes_sent.fetch_add(
-            prost::Message::encoded_len(&frame) as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        m.updates_sent.fetch_add(1, Ordering::Relaxed);
+        m.update_bytes_sent
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         if base_generation == 0 {
-            m.snapshots_sent
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            m.snapshots_sent.fetch_add(1, Ordering::Relaxed);
         }
-        Some((frame, target))
+        Some((frames, target))
     }
 
     /// The encoded body for `key`, built once.
-    fn body(&self, key: &BodyKey, build: impl FnOnce() -> Bytes) -> Bytes {
+    fn body(&self, key: &BodyKey, build: impl FnOnce() -> Vec<Bytes>) -> Arc<Vec<Bytes>> {
         if let Some(b) = self.bodies.lock().ok().and_then(|c| c.get(key).cloned()) {
             return b;
         }
         let start = Instant::now();
-        let b = build();
-        self.metrics.observe_encode(start.elapsed(), b.len());
+        let b = Arc::new(build());
+        let len = b.iter().map(Bytes::len).sum();
+        self.metrics.observe_encode(start.elapsed(), len);
         if let Ok(mut c) = self.bodies.lock() {
             if c.len() >= BODY_CACHE {
                 // Bodies towards older versions are no longer needed by anyone up to date.

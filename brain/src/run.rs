@@ -17,7 +17,11 @@ use crate::{http, tls, watch};
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let client = kube_client(&args).await?;
     let metrics = Arc::new(Metrics::default());
-    let fanout = Fanout::new(metrics);
+    let fanout = Fanout::new(
+        metrics,
+        args.max_concurrent_snapshots,
+        args.update_part_elements,
+    );
     let config = RulesConfig {
         table: args.table.clone(),
         service_cidrs: args.service_cidrs.clone(),

@@ -157,23 +157,41 @@ async fn session(
                 .map_err(|_| Status::unavailable("shutting down"))?;
             continue;
         }
-        let Some((update, target)) = fanout.next_update(node, base.as_ref(), &desired) else {
+        // A snapshot is the whole ruleset, copied into the stream's buffers until the node has
+        // read it; bounding how many are in flight bounds the brain's memory when thousands of
+        // nodes (re)connect at once. The permit is held until the node acks.
+        let _permit = match base {
+            None => Some(
+                fanout
+                    .snapshot_permits
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| Status::unavailable("shutting down"))?,
+            ),
+            Some(_) => None,
+        };
+        let Some((frames, target)) = fanout.next_update(node, base.as_ref(), &desired) else {
             tokio::select! {
                 r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
                 msg = inbound.next() => return unexpected(msg),
             }
             continue;
         };
-        let generation = update.generation;
+        let generation = frames.first().map(|f| f.generation).unwrap_or_default();
+        let parts = frames.len();
         tracing::debug!(
             node,
             generation,
-            snapshot = update.base_generation == 0,
+            parts,
+            snapshot = base.is_none(),
             "sending update"
         );
-        tx.send(Ok(update))
-            .await
-            .map_err(|_| Status::cancelled("node went away"))?;
+        for frame in frames {
+            tx.send(Ok(frame))
+                .await
+                .map_err(|_| Status::cancelled("node went away"))?;
+        }
         let ack = match tokio::time::timeout(ACK_TIMEOUT, inbound.next()).await {
             Err(_) => return Err(Status::deadline_exceeded("no ack")),
             Ok(Some(Ok(SyncRequest {

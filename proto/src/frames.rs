@@ -22,21 +22,35 @@ pub struct UpdateFrame {
 }
 
 /// Encodes the fields every node at the same base shares: body, trigger times, objects,
-/// digest. `frame.shared` takes the result.
+/// digest, split into parts of at most `max_elements` elements (see [`crate::parts`]). Each
+/// result is the `shared` of one frame; send them in order.
 pub fn encode_shared(
     body: Body,
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
     digest: Vec<u8>,
-) -> Bytes {
-    let partial = Update {
-        body: Some(body),
-        trigger_times,
-        objects,
-        digest,
-        ..Default::default()
-    };
-    Bytes::from(partial.encode_to_vec())
+    max_elements: usize,
+) -> Vec<Bytes> {
+    let parts = crate::parts::split(body, max_elements);
+    let last = parts.len().saturating_sub(1);
+    let mut tail = Some((trigger_times, objects, digest));
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, part)| {
+            let mut u = Update {
+                body: Some(part),
+                more: i < last,
+                ..Default::default()
+            };
+            if i == last
+                && let Some((t, o, d)) = tail.take()
+            {
+                (u.trigger_times, u.objects, u.digest) = (t, o, d);
+            }
+            Bytes::from(u.encode_to_vec())
+        })
+        .collect()
 }
 
 impl Message for UpdateFrame {
@@ -102,7 +116,7 @@ mod tests {
             }],
             remove: vec![],
         };
-        let shared = encode_shared(
+        let mut shared = encode_shared(
             Body::Delta(delta.clone()),
             vec![prost_types::Timestamp {
                 seconds: 5,
@@ -110,7 +124,10 @@ mod tests {
             }],
             vec!["EndpointSlice a/b".into()],
             vec![1, 2, 3],
+            1000,
         );
+        assert_eq!(shared.len(), 1);
+        let shared = shared.remove(0);
         let frame = UpdateFrame {
             brain_epoch: 7,
             generation: 9,
@@ -125,8 +142,16 @@ mod tests {
         assert_eq!(u.trigger_times[0].nanos, 6);
         assert_eq!(u.objects, vec!["EndpointSlice a/b".to_string()]);
         assert_eq!(u.digest, vec![1, 2, 3]);
+        assert!(!u.more);
         // A snapshot frame too.
-        let shared = encode_shared(Body::Snapshot(Ruleset::default()), vec![], vec![], vec![]);
+        let shared = encode_shared(
+            Body::Snapshot(Ruleset::default()),
+            vec![],
+            vec![],
+            vec![],
+            1000,
+        )
+        .remove(0);
         let u = Update::decode(
             &UpdateFrame {
                 generation: 1,

@@ -5,6 +5,7 @@
 
 pub mod frames;
 pub mod model;
+pub mod parts;
 pub mod prom;
 pub mod render;
 

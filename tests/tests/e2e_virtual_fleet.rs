@@ -112,5 +112,40 @@ async fn virtual_nodes_converge_and_share_encoded_updates() {
         metric(&after, "splitproxy_brain_fanout_duration_seconds_count").unwrap() >= 1.0,
         "{after}"
     );
+    // The real actuators joined the parts too: they forward to both endpoints.
+    let client = lab
+        .ensure_pod(
+            0,
+            "client",
+            "10.244.0.100".parse().unwrap(),
+            &Default::default(),
+            &Default::default(),
+        )
+        .unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        let r = splitproxy_tests::probe_async(
+            client.netns(),
+            splitproxy_tests::Proto::Tcp,
+            "10.96.7.10:80".parse().unwrap(),
+            None,
+            Duration::from_secs(1),
+        )
+        .await;
+        seen.insert(r.pod().unwrap_or("none").to_string());
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        vec!["web-a".to_string(), "web-b".to_string()]
+    );
+    for i in 0..2 {
+        assert_eq!(
+            metric(
+                &lab.actuator_metrics(i).unwrap(),
+                "splitproxy_actuator_apply_errors_total"
+            ),
+            Some(0.0)
+        );
+    }
     fleet.stop();
 }
