@@ -22,9 +22,11 @@ pub struct ClientConfig {
     pub brains: Vec<String>,
     pub server_name: Option<String>,
     pub node: String,
-    pub ca_pem: Vec<u8>,
-    pub cert_pem: Vec<u8>,
-    pub key_pem: Vec<u8>,
+    /// Read again at every connection, so rotated certificates are picked up without a
+    /// restart (and a file caught mid-rewrite heals on the next attempt).
+    pub ca: std::path::PathBuf,
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
 }
 
 /// Runs forever: one stream at a time, reconnecting with exponential backoff and jitter.
@@ -49,6 +51,12 @@ pub async fn run(config: ClientConfig, applier: Arc<Mutex<Applier>>, health: Arc
     }
 }
 
+fn read(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(!pem.is_empty(), "{} is empty", path.display());
+    Ok(pem)
+}
+
 async fn connect(config: &ClientConfig, brain: &str) -> anyhow::Result<Channel> {
     let uri: tonic::transport::Uri = brain
         .parse()
@@ -59,8 +67,8 @@ async fn connect(config: &ClientConfig, brain: &str) -> anyhow::Result<Channel> 
         .or_else(|| uri.host().map(|h| h.trim_matches(['[', ']']).to_string()))
         .unwrap_or_default();
     let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&config.ca_pem))
-        .identity(Identity::from_pem(&config.cert_pem, &config.key_pem))
+        .ca_certificate(Certificate::from_pem(read(&config.ca)?))
+        .identity(Identity::from_pem(read(&config.cert)?, read(&config.key)?))
         .domain_name(domain);
     Ok(Channel::builder(uri)
         .tls_config(tls)?

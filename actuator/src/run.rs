@@ -18,15 +18,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .trim()
             .to_string(),
     };
-    let read =
-        |p: &std::path::Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    // Fail fast on a misconfiguration; the client reads the files again at every connection.
+    for p in [&args.ca, &args.tls_cert, &args.tls_key] {
+        std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
+    }
     let config = ClientConfig {
         brains: args.brains.clone(),
         server_name: args.brain_server_name.clone(),
         node: node.clone(),
-        ca_pem: read(&args.ca)?,
-        cert_pem: read(&args.tls_cert)?,
-        key_pem: read(&args.tls_key)?,
+        ca: args.ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
     };
     let socket = NftSocket::open().context("opening the nf_tables netlink socket")?;
     let applier = Arc::new(Mutex::new(Applier::new(socket, args.table.clone())));

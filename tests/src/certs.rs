@@ -156,16 +156,25 @@ fn leaf_params(sans: &[&str]) -> Result<CertificateParams> {
 }
 
 /// Writes `contents` to `path`; private keys and certificates alike get mode 0600.
+/// Writes `contents` to `path` atomically (a temporary file renamed over it), so that a process
+/// reading the file while another certificate is issued into the same directory (every issue
+/// rewrites `ca.crt`) sees the whole old or the whole new file, never a truncated one.
 pub(crate) fn write_file(path: &Path, contents: &str) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
+    if fs::read(path).is_ok_and(|old| old == contents.as_bytes()) {
+        return Ok(());
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut file = fs::OpenOptions::new()
         .create(true)
         .truncate(true)
         .write(true)
         .mode(0o600)
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
     file.write_all(contents.as_bytes())
-        .with_context(|| format!("writing {}", path.display()))
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
