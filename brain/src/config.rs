@@ -46,6 +46,10 @@ pub struct Args {
     /// stream's encode buffer) small.
     #[arg(long, default_value_t = 2048)]
     pub update_part_elements: usize,
+    /// Minimum time between two publications of desired state (milliseconds). Changes within
+    /// it are folded into one update per node, like kube-proxy's minimum sync period.
+    #[arg(long, default_value_t = 200)]
+    pub min_publish_interval_ms: u64,
     /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once
     /// listening; with port 0 this lets a supervisor learn the ports without races.
     #[arg(long)]

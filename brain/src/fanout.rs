@@ -284,16 +284,22 @@ impl Fanout {
         b
     }
 
+    /// Trigger times and objects of the publications after `after` up to `upto`. Versions in
+    /// the log are consecutive, so the range is found by arithmetic, not by a scan: this runs for
+    /// every distinct update body.
     fn changes_between(&self, after: u64, upto: u64) -> (Vec<prost_types::Timestamp>, Vec<String>) {
         let mut times = Vec::new();
         let mut objects = Vec::new();
-        if let Ok(log) = self.changes.lock() {
-            for c in log
-                .iter()
-                .filter(|c| c.version > after && c.version <= upto)
-            {
+        if let Ok(log) = self.changes.lock()
+            && let Some(first) = log.front().map(|c| c.version)
+        {
+            let start = (after + 1).saturating_sub(first) as usize;
+            let end = (upto + 1).saturating_sub(first) as usize;
+            for c in log.range(start.min(log.len())..end.min(log.len())) {
                 times.extend(c.trigger_times.iter().cloned());
-                objects.extend(c.objects.iter().cloned());
+                if objects.len() < 64 {
+                    objects.extend(c.objects.iter().cloned());
+                }
             }
         }
         objects.sort();

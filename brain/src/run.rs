@@ -15,7 +15,8 @@ use crate::server::DataplaneService;
 use crate::{http, tls, watch};
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let client = kube_client(&args).await?;
+    // Fail fast on a bad kubeconfig; the watch thread builds its own client on its runtime.
+    kube_client(&args).await?;
     let metrics = Arc::new(Metrics::default());
     let fanout = Fanout::new(
         metrics,
@@ -75,12 +76,40 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
 
-    tokio::spawn(watch::run(
-        client,
-        config,
-        fanout.clone(),
-        args.streaming_lists,
-    ));
+    // The watches and the index run on a runtime of their own, on their own thread: however
+    // busy the fan-out to thousands of streams gets, watch events are taken in as they come.
+    {
+        let (fanout, args) = (fanout.clone(), args.clone());
+        std::thread::Builder::new()
+            .name("brain-watch".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot start the watch runtime");
+                        std::process::exit(1);
+                    }
+                };
+                rt.block_on(async move {
+                    let client = match kube_client(&args).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::error!(
+                                error = format!("{e:#}"),
+                                "cannot create the API client"
+                            );
+                            std::process::exit(1);
+                        }
+                    };
+                    let interval = std::time::Duration::from_millis(args.min_publish_interval_ms);
+                    watch::run(client, config, fanout, args.streaming_lists, interval).await;
+                });
+            })?;
+    }
+
     tokio::spawn({
         let fanout = fanout.clone();
         async move {

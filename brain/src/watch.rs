@@ -30,7 +30,13 @@ enum IndexEvent {
 
 /// Watches Services, EndpointSlices and Nodes and keeps `fanout` published until the watches
 /// end (they retry with backoff, so only on shutdown).
-pub async fn run(client: Client, config: RulesConfig, fanout: Arc<Fanout>, streaming: bool) {
+pub async fn run(
+    client: Client,
+    config: RulesConfig,
+    fanout: Arc<Fanout>,
+    streaming: bool,
+    min_interval: std::time::Duration,
+) {
     let (tx, mut rx) = mpsc::channel(4096);
     let wc = if streaming {
         watcher::Config::default().streaming_lists()
@@ -60,13 +66,26 @@ pub async fn run(client: Client, config: RulesConfig, fanout: Arc<Fanout>, strea
     );
 
     let mut state = IndexState::new(config, fanout.metrics.clone());
+    let mut last_publish: Option<tokio::time::Instant> = None;
     while let Some(ev) = rx.recv().await {
         state.handle(ev);
+        // Publications are at least `min_interval` apart (kube-proxy's min sync period has the
+        // same purpose): every publication costs one update per node, so under churn the events
+        // of an interval are folded into one publication instead of thousands of streams each
+        // chasing every event.
+        if let Some(at) = last_publish {
+            let deadline = at + min_interval;
+            while let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+                state.handle(ev);
+            }
+        }
         // Fold in whatever else is already queued before recomputing.
         while let Ok(ev) = rx.try_recv() {
             state.handle(ev);
         }
-        state.publish(&fanout);
+        if state.publish(&fanout) {
+            last_publish = Some(tokio::time::Instant::now());
+        }
     }
 }
 
@@ -312,14 +331,15 @@ impl IndexState {
         all && !self.services.relisting() && !self.slices.relisting() && !self.nodes.relisting()
     }
 
-    fn publish(&mut self, fanout: &Fanout) {
+    /// Recomputes and publishes if anything changed; true when it did.
+    fn publish(&mut self, fanout: &Fanout) -> bool {
         let synced = self.synced();
         if synced != fanout.synced() && !synced {
             tracing::warn!("relisting: holding the last complete state until the list is done");
             fanout.set_synced(false);
         }
         if !synced || (!self.rebuild && self.dirty.is_empty()) {
-            return;
+            return false;
         }
         let start = Instant::now();
         let views: HashSet<NodeView> = self
@@ -368,5 +388,6 @@ impl IndexState {
             tracing::info!("every initial list is complete; serving nodes");
             fanout.set_synced(true);
         }
+        true
     }
 }

@@ -160,11 +160,27 @@ async fn no_update_before_the_initial_lists_complete() {
     .unwrap();
     let start = Instant::now();
     let mut updates = sync_as(&brain, &node_tls, "node-0").await.unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(30), updates.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    // The first update, whole: its parts (snapshots are split) joined.
+    let mut parts = Vec::new();
+    loop {
+        let part = tokio::time::timeout(Duration::from_secs(30), updates.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let more = part.more;
+        parts.push(part);
+        if !more {
+            break;
+        }
+    }
+    assert!(parts.iter().all(|p| p.generation == parts[0].generation));
+    let bodies = parts
+        .iter_mut()
+        .filter_map(|p| p.body.take())
+        .collect::<Vec<_>>();
+    let mut first = parts.pop().unwrap();
+    first.body = Some(splitproxy_proto::parts::join(bodies).unwrap());
     eprintln!(
         "first update after {:?}, {} service ports",
         start.elapsed(),
