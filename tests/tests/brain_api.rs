@@ -55,6 +55,42 @@ async fn apply(cp: &ControlPlane, yaml: &str) {
     }
 }
 
+/// A brain against `cp` with a CA of its own, and an operator's certificate from that CA.
+struct Fixture {
+    dir: tempfile::TempDir,
+    pki: Pki,
+    brain: Brain,
+    op: splitproxy_tests::certs::TlsFiles,
+}
+
+fn brain_for(cp: &ControlPlane, name: &str) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(name).unwrap();
+    let brain = Brain::start(
+        &exe(),
+        cp.kubeconfig_path(),
+        &pki,
+        dir.path(),
+        "brain",
+        None,
+        &opts(),
+    )
+    .unwrap();
+    let op = pki
+        .write(
+            dir.path(),
+            "operator",
+            &pki.client_cert("operator").unwrap(),
+        )
+        .unwrap();
+    Fixture {
+        dir,
+        pki,
+        brain,
+        op,
+    }
+}
+
 /// Opens a node's Sync stream with `tls` and returns the stream of updates.
 async fn sync_as(
     brain: &Brain,
@@ -230,25 +266,12 @@ async fn node_ruleset_for_a_handful_of_services_is_golden() {
         ]),
     )
     .await;
-    let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new("golden").unwrap();
-    let brain = Brain::start(
-        &exe(),
-        cp.kubeconfig_path(),
-        &pki,
-        dir.path(),
-        "brain",
-        None,
-        &opts(),
-    )
-    .unwrap();
-    let op = pki
-        .write(
-            dir.path(),
-            "operator",
-            &pki.client_cert("operator").unwrap(),
-        )
-        .unwrap();
+    let Fixture {
+        dir: _dir,
+        pki: _pki,
+        brain,
+        op,
+    } = brain_for(&cp, "golden");
     let mut client = grpc_client(brain.grpc, &op).await.unwrap();
     let mut nft = String::new();
     for _ in 0..100 {
@@ -283,25 +306,12 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new("mtls").unwrap();
-    let brain = Brain::start(
-        &exe(),
-        cp.kubeconfig_path(),
-        &pki,
-        dir.path(),
-        "brain",
-        None,
-        &opts(),
-    )
-    .unwrap();
-    let op = pki
-        .write(
-            dir.path(),
-            "operator",
-            &pki.client_cert("operator").unwrap(),
-        )
-        .unwrap();
+    let Fixture {
+        dir,
+        pki,
+        brain,
+        op,
+    } = brain_for(&cp, "mtls");
     let mut good = grpc_client(brain.grpc, &op).await.unwrap();
     assert!(
         good.list_nodes(splitproxy_proto::v1::ListNodesRequest {})
@@ -370,25 +380,12 @@ async fn grpcurl_lists_services_through_reflection() {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new("grpcurl").unwrap();
-    let brain = Brain::start(
-        &exe(),
-        cp.kubeconfig_path(),
-        &pki,
-        dir.path(),
-        "brain",
-        None,
-        &opts(),
-    )
-    .unwrap();
-    let op = pki
-        .write(
-            dir.path(),
-            "operator",
-            &pki.client_cert("operator").unwrap(),
-        )
-        .unwrap();
+    let Fixture {
+        dir: _dir,
+        pki: _pki,
+        brain,
+        op,
+    } = brain_for(&cp, "grpcurl");
     let run = |args: &[&str]| {
         let out = std::process::Command::new(&grpcurl)
             .arg("-cacert")

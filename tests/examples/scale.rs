@@ -1,7 +1,9 @@
-//! Kernel apply times at scale, in a private network namespace: a brain-computed ruleset of S
-//! Services x E endpoints applied by the actuator's applier as a snapshot (cold start), then one
-//! endpoint change, one Service added and one deleted, each as a delta. As root:
-//! `cargo run --release -p splitproxy-tests --example apply_scale -- [S] [E]`.
+//! Brain computation and kernel apply at scale, without an API server: S Services x E endpoints
+//! through the brain's index and incremental desired state (full rebuild, single-Service
+//! changes, diffs between versions, encoded sizes), then applied by the actuator's applier in a
+//! private network namespace as a snapshot (cold start) and as deltas (one endpoint change, one
+//! Service added, one deleted). As root:
+//! `cargo run --release -p splitproxy-tests --example scale -- [S] [E]`.
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -41,6 +43,33 @@ fn slice(i: u32, e: u32, round: u32) -> k8s_openapi::api::discovery::v1::Endpoin
     .unwrap()
 }
 
+/// A hundred single-Service endpoint changes: the brain's compute and diff per change.
+fn brain_changes(index: &mut Index, d: &mut Desired, metrics: &Metrics, s: u32, e: u32) {
+    let mut prev = Arc::new(d.model().clone());
+    let (mut compute, mut diff, mut size) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..100u32 {
+        let i = (k * 97) % s;
+        let sl = slice(i, e, 1000 + k);
+        let t = Instant::now();
+        index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, metrics));
+        d.update(index, [ObjectKey::new("bench", format!("s{i}"))].iter());
+        let next = Arc::new(d.model().clone());
+        compute.push(t.elapsed());
+        let t = Instant::now();
+        let delta = prev.diff(&next);
+        diff.push(t.elapsed());
+        size.push(prost::Message::encoded_len(&delta));
+        prev = next;
+    }
+    compute.sort();
+    diff.sort();
+    size.sort();
+    println!(
+        "brain: one Service change: compute p50 {:?} max {:?}; diff p50 {:?} max {:?}; delta p50 {} bytes",
+        compute[50], compute[99], diff[50], diff[99], size[50]
+    );
+}
+
 fn rss() -> String {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let get = |k: &str| {
@@ -73,8 +102,21 @@ fn main() -> anyhow::Result<()> {
         index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
     }
     let mut d = Desired::new(RulesConfig::default(), NodeView::default());
+    let t = Instant::now();
     d.rebuild(&index);
+    println!(
+        "brain: full rebuild of {s} Services x {e}: {:?}, {} elements",
+        t.elapsed(),
+        d.model().element_count()
+    );
     let v0 = Arc::new(d.model().clone());
+    let t = Instant::now();
+    let encoded = prost::Message::encoded_len(&v0.to_ruleset());
+    println!(
+        "brain: snapshot {encoded} bytes, built and sized in {:?}",
+        t.elapsed()
+    );
+    brain_changes(&mut index, &mut d, &metrics, s, e);
     let snapshot = Update {
         brain_epoch: 1,
         generation: 1,
