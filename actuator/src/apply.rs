@@ -68,28 +68,8 @@ impl Applier {
 
     /// Applies one update in one transaction and returns the time the kernel work took.
     pub fn apply(&mut self, update: &Update) -> Result<Duration, ApplyError> {
-        let (next, batch) = match update.body.as_ref().ok_or(ApplyError::Empty)? {
-            Body::Snapshot(r) => {
-                let target = Model::from_ruleset(r);
-                self.check_digest(update, &target)?;
-                let batch = if self.adopted {
-                    let delta = self.model.diff(&target);
-                    self.check_ownership(&delta.upsert, &delta.remove)?;
-                    self.batch(&self.model, &delta.upsert, &delta.remove)?
-                } else {
-                    // First update of this process: the kernel may hold a table from a previous
-                    // run. Replace it whole, straight from the snapshot, in one transaction, so
-                    // packets see either the old table or the new one (invariant 5).
-                    self.check_ownership(&r.tables, &[])?;
-                    let mut b = Batch::new();
-                    for family in [Family::Ip, Family::Ip6] {
-                        b.destroy_table(family, &self.table);
-                    }
-                    self.encode(&mut b, &Model::default(), &r.tables, &[])?;
-                    b
-                };
-                (target, batch)
-            }
+        match update.body.as_ref().ok_or(ApplyError::Empty)? {
+            Body::Snapshot(r) => self.apply_snapshot(update, Model::from_ruleset(r)),
             Body::Delta(d) => {
                 if update.brain_epoch != self.applied.brain_epoch
                     || update.base_generation != self.applied.generation
@@ -104,9 +84,18 @@ impl Applier {
                 next.apply(d);
                 self.check_digest(update, &next)?;
                 let batch = self.batch(&self.model, &d.upsert, &d.remove)?;
-                (next, batch)
+                self.commit(update, next, batch)
             }
-        };
+        }
+    }
+
+    /// Commits `batch` and, once the kernel took it, makes `next` the applied model.
+    fn commit(
+        &mut self,
+        update: &Update,
+        next: Model,
+        batch: Batch,
+    ) -> Result<Duration, ApplyError> {
         let start = Instant::now();
         if !batch.is_empty() || batch.error().is_some() {
             self.socket
@@ -122,6 +111,76 @@ impl Applier {
             digest: update.digest.clone(),
         };
         Ok(took)
+    }
+
+    /// Applies a snapshot already folded into a model (snapshot parts go straight into a
+    /// model as they arrive, so the whole snapshot never exists as decoded messages). `update`
+    /// carries the metadata (epoch, generation, digest); its body is ignored.
+    pub fn apply_snapshot(
+        &mut self,
+        update: &Update,
+        target: Model,
+    ) -> Result<Duration, ApplyError> {
+        self.check_digest(update, &target)?;
+        let batch = if self.adopted {
+            let delta = self.model.diff(&target);
+            self.check_ownership(&delta.upsert, &delta.remove)?;
+            self.batch(&self.model, &delta.upsert, &delta.remove)?
+        } else {
+            // First update of this process: the kernel may hold a table from a previous run.
+            // Replace it whole, in one transaction, so packets see either the old table or the
+            // new one (invariant 5).
+            for (family, name) in target.tables.keys() {
+                let family_ok = matches!(Family::try_from(*family), Ok(Family::Ip | Family::Ip6));
+                if !family_ok || *name != self.table {
+                    return Err(ApplyError::ForeignTable(
+                        family_name(*family),
+                        name.clone(),
+                        self.table.clone(),
+                    ));
+                }
+            }
+            let mut b = Batch::new();
+            for family in [Family::Ip, Family::Ip6] {
+                b.destroy_table(family, &self.table);
+            }
+            self.encode_model(&mut b, &target)?;
+            b
+        };
+        self.commit(update, target, batch)
+    }
+
+    /// Every object of `model` as additions, elements decoded a chunk at a time.
+    fn encode_model(&self, b: &mut Batch, model: &Model) -> Result<(), ApplyError> {
+        const CHUNK: usize = 2048;
+        let enc = |e: crate::nft::EncodeError| ApplyError::Encode(e.to_string());
+        for ((family, name), tm) in model.tables.iter() {
+            let fam = Family::try_from(*family).unwrap_or(Family::Unspecified);
+            b.add_table(fam, name, &tm.comment);
+            for c in tm.chains.values() {
+                b.add_chain(fam, name, c);
+            }
+            for sm in tm.sets.values() {
+                b.add_set(fam, name, &sm.def).map_err(enc)?;
+                let mut chunk = Vec::with_capacity(CHUNK);
+                for e in sm.decoded() {
+                    chunk.push(e);
+                    if chunk.len() == CHUNK {
+                        b.add_elements(fam, name, &sm.def, &chunk).map_err(enc)?;
+                        chunk.clear();
+                    }
+                }
+                if !chunk.is_empty() {
+                    b.add_elements(fam, name, &sm.def, &chunk).map_err(enc)?;
+                }
+            }
+            for c in tm.chains.values() {
+                for r in &c.rules {
+                    b.add_rule(fam, name, &c.name, r).map_err(enc)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn check_digest(&self, update: &Update, next: &Model) -> Result<(), ApplyError> {

@@ -5,8 +5,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
+use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::dataplane_client::DataplaneClient;
-use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, Update, sync_request};
+use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, Update, sync_request, update::Body};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -108,28 +109,57 @@ async fn stream_once(
     let mut updates = client.sync(ReceiverStream::new(rx)).await?.into_inner();
     tracing::info!(%brain, node = %config.node, "stream open");
     health.metrics.set_connected(true);
-    // Parts of one update (same generation, `more` on all but the last) are joined and
-    // applied as one transaction.
-    let mut parts: Vec<Update> = Vec::new();
+    // Parts of one update (same generation, `more` on all but the last) are applied as one
+    // transaction. Snapshot parts are folded into a model as they arrive, so a node never holds
+    // a whole decoded snapshot; delta parts (small) are joined.
+    let mut pending: Option<Pending> = None;
     while let Some(update) = updates.next().await {
-        let update = update?;
-        if parts
-            .first()
-            .is_some_and(|p| p.generation != update.generation)
+        let mut update = update?;
+        if let Some(p) = &pending
+            && p.meta.generation != update.generation
         {
             anyhow::bail!(
                 "update parts of generations {} and {} interleave",
-                parts[0].generation,
+                p.meta.generation,
                 update.generation
             );
         }
-        let more = update.more;
-        parts.push(update);
-        if more {
+        let p = pending.get_or_insert_with(|| Pending {
+            meta: Update::default(),
+            snapshot: None,
+            deltas: Vec::new(),
+        });
+        match update.body.take() {
+            Some(Body::Snapshot(r)) => {
+                let model = p.snapshot.get_or_insert_with(Model::default);
+                model.apply(&v1::RulesetDelta {
+                    upsert: r.tables,
+                    remove: Vec::new(),
+                });
+            }
+            Some(body @ Body::Delta(_)) => p.deltas.push(body),
+            None => {}
+        }
+        p.meta.trigger_times.append(&mut update.trigger_times);
+        p.meta.objects.append(&mut update.objects);
+        p.meta = Update {
+            trigger_times: std::mem::take(&mut p.meta.trigger_times),
+            objects: std::mem::take(&mut p.meta.objects),
+            ..update
+        };
+        if p.meta.more {
             continue;
         }
-        let update = join(std::mem::take(&mut parts))?;
-        let ack = apply(update, applier, health).await;
+        let Some(p) = pending.take() else { continue };
+        let work = match (p.snapshot, p.deltas) {
+            (Some(model), deltas) if deltas.is_empty() => Work::Snapshot(p.meta, model),
+            (None, deltas) => Work::Update(Update {
+                body: Some(splitproxy_proto::parts::join(deltas)?),
+                ..p.meta
+            }),
+            _ => anyhow::bail!("update mixes snapshot and delta parts"),
+        };
+        let ack = apply(work, applier, health).await;
         tx.send(SyncRequest {
             msg: Some(sync_request::Msg::Ack(ack)),
         })
@@ -138,38 +168,43 @@ async fn stream_once(
     Ok(())
 }
 
-/// Joins the parts of one update: bodies joined, trigger times and objects collected, the rest
-/// from the last part.
-fn join(parts: Vec<Update>) -> anyhow::Result<Update> {
-    let mut bodies = Vec::with_capacity(parts.len());
-    let mut out = Update::default();
-    for mut p in parts {
-        bodies.extend(p.body.take());
-        out.trigger_times.append(&mut p.trigger_times);
-        out.objects.append(&mut p.objects);
-        out = Update {
-            body: None,
-            trigger_times: out.trigger_times,
-            objects: out.objects,
-            ..p
-        };
-    }
-    out.body = Some(splitproxy_proto::parts::join(bodies)?);
-    Ok(out)
+/// An update whose parts are still arriving.
+struct Pending {
+    /// Everything but the body, from the latest part (trigger times and objects collected).
+    meta: Update,
+    snapshot: Option<Model>,
+    deltas: Vec<Body>,
+}
+
+/// What to apply: an update, or a snapshot already folded into a model.
+enum Work {
+    Update(Update),
+    Snapshot(Update, Model),
 }
 
 /// Applies one update off the async runtime (netlink is blocking) and builds its answer.
-async fn apply(update: Update, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) -> Ack {
-    let generation = update.generation;
-    let snapshot = update.base_generation == 0;
+async fn apply(work: Work, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) -> Ack {
+    let (generation, snapshot) = match &work {
+        Work::Update(u) => (u.generation, u.base_generation == 0),
+        Work::Snapshot(u, _) => (u.generation, true),
+    };
     let applier = applier.clone();
     let (update, result) = tokio::task::spawn_blocking(move || {
-        let result = match applier.lock() {
-            Ok(mut a) => a
-                .apply(&update)
-                .map(|took| (took, a.model().element_count())),
-            Err(_) => Err(crate::apply::ApplyError::Kernel("applier poisoned".into())),
+        let Ok(mut a) = applier.lock() else {
+            let e = crate::apply::ApplyError::Kernel("applier poisoned".into());
+            return (Update::default(), Err(e));
         };
+        let (update, result) = match work {
+            Work::Update(u) => {
+                let r = a.apply(&u);
+                (u, r)
+            }
+            Work::Snapshot(u, model) => {
+                let r = a.apply_snapshot(&u, model);
+                (u, r)
+            }
+        };
+        let result = result.map(|took| (took, a.model().element_count()));
         (update, result)
     })
     .await
