@@ -168,6 +168,8 @@ struct IndexState {
     dirty: HashSet<ObjectKey>,
     /// Recompute everything (after a list or relist completes).
     rebuild: bool,
+    /// The distinct node views, derived from the Nodes; `None` after a Node change.
+    views: Option<HashSet<NodeView>>,
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
 }
@@ -184,6 +186,7 @@ impl IndexState {
             desired: HashMap::new(),
             dirty: HashSet::new(),
             rebuild: false,
+            views: None,
             trigger_times: Vec::new(),
             objects: Vec::new(),
         }
@@ -281,6 +284,7 @@ impl IndexState {
                 let all = self.nodes.done();
                 tracing::info!(nodes = all.len(), "nodes listed");
                 self.index.reset_nodes(all);
+                self.views = None;
                 self.rebuild = true;
             }
             Event::Apply(n) => {
@@ -288,9 +292,11 @@ impl IndexState {
                 // policies), so a Node change publishes nothing.
                 let info = objects::node(&n);
                 self.index.apply_node(info.name.clone(), Some(info));
+                self.views = None;
             }
             Event::Delete(n) => {
                 self.index.apply_node(kube::ResourceExt::name_any(&n), None);
+                self.views = None;
             }
         }
     }
@@ -342,12 +348,18 @@ impl IndexState {
             return false;
         }
         let start = Instant::now();
-        let views: HashSet<NodeView> = self
-            .index
-            .nodes()
-            .map(|n| fanout.view_of(&n.name))
-            .chain([NodeView::default()])
-            .collect();
+        // Node views change only with Nodes: derive them then, not on every publication.
+        let views = self
+            .views
+            .get_or_insert_with(|| {
+                let index = &self.index;
+                index
+                    .nodes()
+                    .map(|n| fanout.view_of(&n.name))
+                    .chain([NodeView::default()])
+                    .collect()
+            })
+            .clone();
         self.desired.retain(|v, _| views.contains(v));
         let mut variants: HashMap<NodeView, Arc<Model>> = HashMap::new();
         for view in views {
