@@ -11,6 +11,7 @@ use splitproxy_proto::model::{Model, TableKey, family_name};
 use splitproxy_proto::v1::{Family, Table, TableRemoval, Update, update::Body};
 
 use crate::nft::{Batch, NftSocket};
+use crate::{conntrack, guards};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
@@ -41,6 +42,12 @@ pub struct Applier {
     table: String,
     model: Model,
     applied: Applied,
+    /// Conntrack entries the commits since the last [`Applier::take_stale_conntrack`] left
+    /// stale (see conntrack.rs).
+    stale: conntrack::Plan,
+    /// Guarded map entries the commits since the last [`Applier::take_stale_guarded`] left to
+    /// delete (see guards.rs).
+    guarded: guards::Plan,
     /// False until the first commit of this process: the kernel may still hold the table a
     /// previous run left, which the first snapshot replaces atomically (restart without
     /// disruption, invariant 5).
@@ -54,6 +61,8 @@ impl Applier {
             table,
             model: Model::default(),
             applied: Applied::default(),
+            stale: conntrack::Plan::default(),
+            guarded: guards::Plan::default(),
             adopted: false,
         }
     }
@@ -64,6 +73,18 @@ impl Applier {
 
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The UDP conntrack entries the commits since the last call left stale, to delete now
+    /// that the kernel forwards by the new rules.
+    pub fn take_stale_conntrack(&mut self) -> conntrack::Plan {
+        std::mem::take(&mut self.stale)
+    }
+
+    /// The guarded map entries the commits since the last call left to delete, to delete now
+    /// that the kernel holds the new guard sets.
+    pub fn take_stale_guarded(&mut self) -> guards::Plan {
+        std::mem::take(&mut self.guarded)
     }
 
     /// Applies one update in one transaction and returns the time the kernel work took.
@@ -103,6 +124,12 @@ impl Applier {
                 .map_err(|e| ApplyError::Kernel(e.to_string()))?;
         }
         let took = start.elapsed();
+        // Costs what changed in the role-marked and guard sets (the models share structure);
+        // nothing at the first commit of a process, whose previous model is empty.
+        self.stale
+            .extend(conntrack::Plan::between(&self.model, &next));
+        self.guarded
+            .extend(guards::Plan::between(&self.model, &next));
         self.model = next;
         self.adopted = true;
         self.applied = Applied {
@@ -277,10 +304,28 @@ impl Applier {
                 }
             }
         }
+        // An element both removed and re-added with another value (a delta joined from parts
+        // that moved it) is deleted once, above.
+        let deleted: BTreeSet<(TableKey, &str, Box<[u8]>)> = remove
+            .iter()
+            .filter(|r| !r.whole)
+            .flat_map(|r| {
+                r.elements.iter().flat_map(move |se| {
+                    se.elements.iter().map(move |e| {
+                        (
+                            (r.family, r.name.clone()),
+                            se.set.as_str(),
+                            element_key_bytes(e),
+                        )
+                    })
+                })
+            })
+            .collect();
         for up in upsert {
             let Some(old) = base.tables.get(&(up.family, up.name.clone())) else {
                 continue;
             };
+            let tkey: TableKey = (up.family, up.name.clone());
             for s in &up.sets {
                 let Some(sm) = old
                     .sets
@@ -293,9 +338,12 @@ impl Applier {
                     .elements
                     .iter()
                     .filter(|e| {
-                        sm.elements
-                            .get(&element_key_bytes(e))
-                            .is_some_and(|old| old[..] != e.encode_to_vec()[..])
+                        let key = element_key_bytes(e);
+                        !deleted.contains(&(tkey.clone(), s.name.as_str(), key.clone()))
+                            && sm
+                                .elements
+                                .get(&key)
+                                .is_some_and(|old| old[..] != e.encode_to_vec()[..])
                     })
                     .cloned()
                     .collect();

@@ -13,8 +13,10 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+use crate::after_commit::AfterCommit;
 use crate::apply::Applier;
 use crate::health::Health;
+use crate::{conntrack, guards};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
@@ -31,14 +33,21 @@ pub struct ClientConfig {
 }
 
 /// Runs forever: one stream at a time, reconnecting with exponential backoff and jitter.
-pub async fn run(config: ClientConfig, applier: Arc<Mutex<Applier>>, health: Arc<Health>) {
+/// `after` runs after every committed update (guarded map entries and conntrack
+/// cleanup, health check servers).
+pub async fn run(
+    config: ClientConfig,
+    applier: Arc<Mutex<Applier>>,
+    health: Arc<Health>,
+    after: Arc<AfterCommit>,
+) {
     let mut backoff = BACKOFF_MIN;
     let mut attempt = 0usize;
     loop {
         let brain = &config.brains[attempt % config.brains.len()];
         attempt += 1;
         let started = std::time::Instant::now();
-        match stream_once(&config, brain, &applier, &health).await {
+        match stream_once(&config, brain, &applier, &health, &after).await {
             Ok(()) => tracing::info!(%brain, "brain closed the stream"),
             Err(e) => tracing::warn!(%brain, error = format!("{e:#}"), "stream to brain failed"),
         }
@@ -85,6 +94,7 @@ async fn stream_once(
     brain: &str,
     applier: &Arc<Mutex<Applier>>,
     health: &Arc<Health>,
+    after: &AfterCommit,
 ) -> anyhow::Result<()> {
     let channel = connect(config, brain).await?;
     let mut client = DataplaneClient::new(channel).max_decoding_message_size(1 << 30);
@@ -159,11 +169,17 @@ async fn stream_once(
             }),
             _ => anyhow::bail!("update mixes snapshot and delta parts"),
         };
-        let ack = apply(work, applier, health).await;
-        tx.send(SyncRequest {
-            msg: Some(sync_request::Msg::Ack(ack)),
-        })
-        .await?;
+        let (ack, committed) = apply(work, applier, health).await;
+        let sent = tx
+            .send(SyncRequest {
+                msg: Some(sync_request::Msg::Ack(ack)),
+            })
+            .await;
+        // The kernel has the new rules whether or not the brain hears of it.
+        if let Some(c) = committed {
+            after.run(c.stale, c.guarded, &c.model).await;
+        }
+        sent?;
     }
     Ok(())
 }
@@ -182,8 +198,21 @@ enum Work {
     Snapshot(Update, Model),
 }
 
-/// Applies one update off the async runtime (netlink is blocking) and builds its answer.
-async fn apply(work: Work, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) -> Ack {
+/// What a committed update leaves for [`AfterCommit`].
+struct Committed {
+    stale: conntrack::Plan,
+    guarded: guards::Plan,
+    /// The applied model (a cheap clone: versions share structure).
+    model: Model,
+}
+
+/// Applies one update off the async runtime (netlink is blocking) and builds its answer, and,
+/// when it committed, what follows.
+async fn apply(
+    work: Work,
+    applier: &Arc<Mutex<Applier>>,
+    health: &Arc<Health>,
+) -> (Ack, Option<Committed>) {
     let (generation, snapshot) = match &work {
         Work::Update(u) => (u.generation, u.base_generation == 0),
         Work::Snapshot(u, _) => (u.generation, true),
@@ -204,7 +233,14 @@ async fn apply(work: Work, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) 
                 (u, r)
             }
         };
-        let result = result.map(|took| (took, a.model().element_count()));
+        let result = result.map(|took| {
+            let committed = Committed {
+                stale: a.take_stale_conntrack(),
+                guarded: a.take_stale_guarded(),
+                model: a.model().clone(),
+            };
+            (took, a.model().element_count(), committed)
+        });
         (update, result)
     })
     .await
@@ -215,11 +251,14 @@ async fn apply(work: Work, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) 
         )
     });
     match result {
-        Ok((took, elements)) => {
+        Ok((took, elements, committed)) => {
             health.metrics.applied(generation, took, snapshot, elements);
             health
                 .ready
                 .store(true, std::sync::atomic::Ordering::Relaxed);
+            health
+                .apply_failing
+                .store(false, std::sync::atomic::Ordering::Relaxed);
             let now = SystemTime::now();
             for t in &update.trigger_times {
                 let at = SystemTime::UNIX_EPOCH
@@ -229,22 +268,27 @@ async fn apply(work: Work, applier: &Arc<Mutex<Applier>>, health: &Arc<Health>) 
                 }
             }
             tracing::info!(generation, snapshot, ?took, objects = ?update.objects, "applied update");
-            Ack {
+            let ack = Ack {
                 generation,
                 ok: true,
                 error: String::new(),
                 apply_duration: took.try_into().ok(),
-            }
+            };
+            (ack, Some(committed))
         }
         Err(e) => {
             health.metrics.apply_failed();
+            health
+                .apply_failing
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             tracing::error!(generation, snapshot, error = %e, "update failed; previous rules stay in place");
-            Ack {
+            let ack = Ack {
                 generation,
                 ok: false,
                 error: e.to_string(),
                 apply_duration: None,
-            }
+            };
+            (ack, None)
         }
     }
 }

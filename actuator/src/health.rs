@@ -15,7 +15,19 @@ use crate::metrics::Metrics;
 #[derive(Debug, Default)]
 pub struct Health {
     pub ready: AtomicBool,
+    /// The last update the brain sent was refused by the kernel: the rules lag behind the
+    /// cluster until a later one applies.
+    pub apply_failing: AtomicBool,
     pub metrics: Metrics,
+}
+
+impl Health {
+    /// What the healthCheckNodePort servers report as `serviceProxyHealthy` (kube-proxy's
+    /// proxier health): a first update applied, and the latest one applied too. A brain that
+    /// is away does not make the node unhealthy: it keeps forwarding with the last rules.
+    pub fn service_proxy_healthy(&self) -> bool {
+        self.ready.load(Ordering::Relaxed) && !self.apply_failing.load(Ordering::Relaxed)
+    }
 }
 
 pub async fn serve(listener: tokio::net::TcpListener, health: Arc<Health>) -> std::io::Result<()> {

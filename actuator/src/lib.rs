@@ -1,10 +1,14 @@
 //! splitproxy actuator: applies the ruleset IR streamed by the brain to the node's kernel.
 #![forbid(unsafe_code)]
 
+pub mod after_commit;
 pub mod apply;
 pub mod client;
 pub mod config;
+pub mod conntrack;
+pub mod guards;
 pub mod health;
+pub mod healthcheck;
 pub mod metrics;
 pub mod nft;
 pub mod run;

@@ -27,6 +27,10 @@ struct Inner {
     deltas: u64,
     connected: bool,
     elements: u64,
+    conntrack_deleted: u64,
+    conntrack_errors: u64,
+    guarded_deleted: u64,
+    guarded_errors: u64,
 }
 
 #[derive(Debug)]
@@ -47,6 +51,10 @@ impl Default for Metrics {
                 deltas: 0,
                 connected: false,
                 elements: 0,
+                conntrack_deleted: 0,
+                conntrack_errors: 0,
+                guarded_deleted: 0,
+                guarded_errors: 0,
             }),
         }
     }
@@ -79,6 +87,26 @@ impl Metrics {
 
     pub fn network_programming(&self, latency: Duration) {
         self.with(|i| i.npl.observe(latency.as_secs_f64()))
+    }
+
+    /// Stale UDP conntrack entries deleted after a commit.
+    pub fn conntrack_deleted(&self, n: u64) {
+        self.with(|i| i.conntrack_deleted += n)
+    }
+
+    /// A conntrack cleanup that failed, whole or in part.
+    pub fn conntrack_cleanup_failed(&self) {
+        self.with(|i| i.conntrack_errors += 1)
+    }
+
+    /// Guarded map entries (session affinity) deleted after a commit removed their guard.
+    pub fn guarded_deleted(&self, n: u64) {
+        self.with(|i| i.guarded_deleted += n)
+    }
+
+    /// A guarded entries cleanup that failed.
+    pub fn guarded_cleanup_failed(&self) {
+        self.with(|i| i.guarded_errors += 1)
     }
 
     pub fn set_connected(&self, c: bool) {
@@ -147,6 +175,30 @@ impl Metrics {
                 "gauge",
                 "Set and map elements in the applied model.",
                 i.elements as f64,
+            ),
+            (
+                "splitproxy_actuator_conntrack_entries_deleted_total",
+                "counter",
+                "Stale UDP conntrack entries deleted after commits (endpoints gone, or destinations that got endpoints).",
+                i.conntrack_deleted as f64,
+            ),
+            (
+                "splitproxy_actuator_conntrack_cleanup_errors_total",
+                "counter",
+                "Conntrack cleanups that failed in whole or in part; the entries expire by themselves.",
+                i.conntrack_errors as f64,
+            ),
+            (
+                "splitproxy_actuator_affinity_entries_deleted_total",
+                "counter",
+                "Entries the packet path added to a guarded map (session affinity) deleted after a commit removed the set element that vouched for them.",
+                i.guarded_deleted as f64,
+            ),
+            (
+                "splitproxy_actuator_affinity_cleanup_errors_total",
+                "counter",
+                "Cleanups of guarded map entries (session affinity) that failed; the entries time out by themselves.",
+                i.guarded_errors as f64,
             ),
         ];
         for (name, kind, help, v) in gauges {

@@ -1,13 +1,17 @@
-//! Wires the actuator together: netlink socket, applier, health server, brain stream. Nothing
-//! here flushes the table on exit: the node keeps forwarding with the last applied rules.
+//! Wires the actuator together: netlink socket, applier, health server, brain stream, and what
+//! follows each commit (guarded map entries and conntrack cleanup, health check servers).
+//! Nothing here flushes the table on exit: the node keeps forwarding with the last applied
+//! rules.
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 
+use crate::after_commit::AfterCommit;
 use crate::apply::Applier;
 use crate::client::{self, ClientConfig};
 use crate::config::Args;
 use crate::health::{self, Health};
+use crate::healthcheck;
 use crate::nft::NftSocket;
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -50,9 +54,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             health::serve(metrics, health.clone()),
         ));
     }
+    let after = Arc::new(AfterCommit::new(
+        args.table.clone(),
+        health.clone(),
+        healthcheck::DEFAULT_ADDRESSES.to_vec(),
+    ));
     tracing::info!(%node, brains = ?args.brains, table = %args.table, "starting actuator");
     tokio::select! {
-        _ = client::run(config, applier, health) => {}
+        _ = client::run(config, applier, health, after) => {}
         _ = shutdown() => {}
     }
     Ok(())

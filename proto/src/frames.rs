@@ -19,6 +19,8 @@ pub struct UpdateFrame {
     pub base_generation: u64,
     /// Fields 4 and up of `Update`, already encoded (see [`encode_shared`]).
     pub shared: Bytes,
+    /// More such fields, written after `shared` (a node's own part of a shared update).
+    pub extra: Bytes,
 }
 
 /// Encodes the fields every node at the same base shares: body, trigger times, objects,
@@ -53,6 +55,51 @@ pub fn encode_shared(
         .collect()
 }
 
+/// The shared parts of an update that a node-specific part completes: every part says `more`,
+/// none carries the tail. Empty for an empty delta.
+pub fn encode_parts(body: Body, max_elements: usize) -> Vec<Bytes> {
+    if matches!(&body, Body::Delta(d) if d.is_empty()) {
+        return Vec::new();
+    }
+    crate::parts::split(body, max_elements)
+        .into_iter()
+        .map(|part| {
+            Bytes::from(
+                Update {
+                    body: Some(part),
+                    more: true,
+                    ..Default::default()
+                }
+                .encode_to_vec(),
+            )
+        })
+        .collect()
+}
+
+/// The last part's shared fields: trigger times and objects.
+pub fn encode_tail(trigger_times: Vec<prost_types::Timestamp>, objects: Vec<String>) -> Bytes {
+    Bytes::from(
+        Update {
+            trigger_times,
+            objects,
+            ..Default::default()
+        }
+        .encode_to_vec(),
+    )
+}
+
+/// The last part's node-specific fields: the node's own body and the digest of everything.
+pub fn encode_node_part(body: Body, digest: Vec<u8>) -> Bytes {
+    Bytes::from(
+        Update {
+            body: Some(body),
+            digest,
+            ..Default::default()
+        }
+        .encode_to_vec(),
+    )
+}
+
 impl Message for UpdateFrame {
     fn encode_raw(&self, buf: &mut impl BufMut) {
         if self.brain_epoch != 0 {
@@ -65,6 +112,7 @@ impl Message for UpdateFrame {
             prost::encoding::uint64::encode(3, &self.base_generation, buf);
         }
         buf.put_slice(&self.shared);
+        buf.put_slice(&self.extra);
     }
 
     fn merge_field(
@@ -94,6 +142,7 @@ impl Message for UpdateFrame {
             + f(2, &self.generation)
             + f(3, &self.base_generation)
             + self.shared.len()
+            + self.extra.len()
     }
 
     fn clear(&mut self) {
@@ -133,6 +182,7 @@ mod tests {
             generation: 9,
             base_generation: 8,
             shared,
+            ..Default::default()
         };
         let bytes = frame.encode_to_vec();
         assert_eq!(bytes.len(), frame.encoded_len());

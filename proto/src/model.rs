@@ -54,6 +54,8 @@ pub struct Model {
     pub tables: OrdMap<TableKey, TableModel>,
     /// Sum (mod 2^128) of the hashes of every object; see [`Model::digest`].
     sum: u128,
+    /// The part of `sum` that comes from set elements.
+    element_sum: u128,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -185,6 +187,16 @@ impl Model {
         self.sum.to_le_bytes().to_vec()
     }
 
+    /// The digest of this model with `overlay`'s elements added (a node's table: the shared
+    /// model plus its own elements, in sets this model defines). Valid when no element of the
+    /// overlay has a key this model holds in the same set.
+    pub fn digest_with(&self, overlay: &Model) -> Vec<u8> {
+        self.sum
+            .wrapping_add(overlay.element_sum)
+            .to_le_bytes()
+            .to_vec()
+    }
+
     pub fn element_count(&self) -> usize {
         self.tables
             .values()
@@ -232,13 +244,15 @@ impl Model {
         for c in tm.chains.values() {
             sub = sub.wrapping_add(chain_hash(key, c));
         }
+        let mut elements = 0u128;
         for (name, s) in tm.sets.iter() {
             sub = sub.wrapping_add(set_hash(key, &s.def));
             for e in s.elements.values() {
-                sub = sub.wrapping_add(element_hash(key, name, e));
+                elements = elements.wrapping_add(element_hash(key, name, e));
             }
         }
-        self.sum = self.sum.wrapping_sub(sub);
+        self.sum = self.sum.wrapping_sub(sub).wrapping_sub(elements);
+        self.element_sum = self.element_sum.wrapping_sub(elements);
     }
 
     pub fn upsert_chain(&mut self, key: &TableKey, chain: Chain) {
@@ -292,11 +306,15 @@ impl Model {
         let Some(sm) = tm.sets.remove(name) else {
             return;
         };
-        let mut sub = set_hash(key, &sm.def);
+        let mut elements = 0u128;
         for e in sm.elements.values() {
-            sub = sub.wrapping_add(element_hash(key, name, e));
+            elements = elements.wrapping_add(element_hash(key, name, e));
         }
-        self.sum = self.sum.wrapping_sub(sub);
+        self.sum = self
+            .sum
+            .wrapping_sub(set_hash(key, &sm.def))
+            .wrapping_sub(elements);
+        self.element_sum = self.element_sum.wrapping_sub(elements);
     }
 
     /// Inserts or replaces an element (encoded) in an existing set; false if the set is absent.
@@ -312,9 +330,12 @@ impl Model {
         };
         let add = element_hash(key, set, &encoded);
         if let Some(old) = sm.elements.insert(elem_key, encoded) {
-            self.sum = self.sum.wrapping_sub(element_hash(key, set, &old));
+            let sub = element_hash(key, set, &old);
+            self.sum = self.sum.wrapping_sub(sub);
+            self.element_sum = self.element_sum.wrapping_sub(sub);
         }
         self.sum = self.sum.wrapping_add(add);
+        self.element_sum = self.element_sum.wrapping_add(add);
         true
     }
 
@@ -322,7 +343,9 @@ impl Model {
         if let Some(sm) = self.tables.get_mut(key).and_then(|t| t.sets.get_mut(set))
             && let Some(old) = sm.elements.remove(elem_key)
         {
-            self.sum = self.sum.wrapping_sub(element_hash(key, set, &old));
+            let sub = element_hash(key, set, &old);
+            self.sum = self.sum.wrapping_sub(sub);
+            self.element_sum = self.element_sum.wrapping_sub(sub);
         }
     }
 

@@ -32,9 +32,9 @@ use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::v1::{
-    self, Chain, ChainType, CmpOp, CtKey, DataType, DynsetOp, Element, Family, FibResult, Hook,
-    MetaKey, NatType, NumgenType, PayloadBase, RejectType, Rule, Ruleset, Set, Table, Verdict,
-    VerdictCode, datum, expr,
+    self, Chain, ChainType, CmpOp, CtDirection, CtKey, DataType, DynsetOp, Element, Family,
+    FibResult, Hook, MetaKey, NatType, NumgenType, PayloadBase, RejectType, Rule, Ruleset, Set,
+    Table, Verdict, VerdictCode, datum, expr,
 };
 
 /// Number of 32-bit data registers (NFT_REG32_00..15).
@@ -754,6 +754,35 @@ fn mask_prefix(mask: &[u8]) -> Option<u32> {
     Some(len)
 }
 
+/// What a `ct` load prints as (`ct state`, `ct original ip daddr`, `ct reply proto-src`), the
+/// type of its value and the registers it takes. A tuple field prints its direction; a key the
+/// renderer does not know prints as `ct key N`. `ct protocol` prints without one whatever the
+/// IR says: the l4 protocol is the same in both tuples, the kernel accepts a direction for it
+/// but keeps none, and nft lists `ct original protocol` back as `ct protocol`.
+fn ct_info(c: &v1::Ct) -> (String, Kind, usize) {
+    let (field, kind, width) = match CtKey::try_from(c.key) {
+        Ok(CtKey::State) => ("state", Kind::CtState, 1),
+        Ok(CtKey::Status) => ("status", Kind::CtStatus, 1),
+        Ok(CtKey::Mark) => ("mark", Kind::Mark, 1),
+        Ok(CtKey::SrcIp) => ("ip saddr", Kind::Ipv4, 1),
+        Ok(CtKey::DstIp) => ("ip daddr", Kind::Ipv4, 1),
+        Ok(CtKey::SrcIp6) => ("ip6 saddr", Kind::Ipv6, 4),
+        Ok(CtKey::DstIp6) => ("ip6 daddr", Kind::Ipv6, 4),
+        Ok(CtKey::ProtoSrc) => ("proto-src", Kind::Port, 1),
+        Ok(CtKey::ProtoDst) => ("proto-dst", Kind::Port, 1),
+        Ok(CtKey::Protocol) => ("protocol", Kind::L4Proto, 1),
+        Ok(CtKey::Unspecified) | Err(_) => return (format!("ct key {}", c.key), Kind::Raw, 1),
+    };
+    let dir = match CtDirection::try_from(c.direction) {
+        _ if c.key == CtKey::Protocol as i32 => String::new(),
+        Ok(CtDirection::Unspecified) => String::new(),
+        Ok(CtDirection::Original) => "original ".into(),
+        Ok(CtDirection::Reply) => "reply ".into(),
+        Err(_) => format!("direction {} ", c.direction),
+    };
+    (format!("ct {dir}{field}"), kind, width)
+}
+
 // ---- the register model ----
 
 /// What a data-map lookup put in a register.
@@ -999,13 +1028,8 @@ impl<'c, 'a> Decompiler<'c, 'a> {
                 }
             }
             expr::Kind::Ct(c) => {
-                let (name, kind) = match CtKey::try_from(c.key) {
-                    Ok(CtKey::State) => ("ct state".to_string(), Kind::CtState),
-                    Ok(CtKey::Status) => ("ct status".to_string(), Kind::CtStatus),
-                    Ok(CtKey::Mark) => ("ct mark".to_string(), Kind::Mark),
-                    _ => (format!("ct key {}", c.key), Kind::Raw),
-                };
-                self.write(c.dreg, Val::new(name, kind, 1));
+                let (name, kind, width) = ct_info(c);
+                self.write(c.dreg, Val::new(name, kind, width));
             }
             expr::Kind::Fib(f) => {
                 let (text, kind, len) = fib_info(f.flags, f.result);

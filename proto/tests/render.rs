@@ -1,10 +1,10 @@
 //! Golden tests of the nft-syntax rendering of the ruleset IR.
 use splitproxy_proto::render::{self, Context};
 use splitproxy_proto::v1::{
-    BaseChain, Bitwise, Chain, ChainType, Cmp, CmpOp, Counter, Ct, CtKey, DataType, Datum, Dynset,
-    DynsetOp, Element, Expr, Family, Fib, FibResult, Hook, Immediate, Lookup, Masquerade, Meta,
-    MetaKey, Nat, NatType, Numgen, NumgenType, Payload, PayloadBase, Reject, RejectType, Rule,
-    Ruleset, Set, Table, Verdict, VerdictCode, datum, expr,
+    BaseChain, Bitwise, Chain, ChainType, Cmp, CmpOp, Counter, Ct, CtDirection, CtKey, DataType,
+    Datum, Dynset, DynsetOp, Element, Expr, Family, Fib, FibResult, Hook, Immediate, Lookup,
+    Masquerade, Meta, MetaKey, Nat, NatType, Numgen, NumgenType, Payload, PayloadBase, Reject,
+    RejectType, Rule, Ruleset, Set, Table, Verdict, VerdictCode, datum, expr,
 };
 
 // ---- IR builders ----
@@ -68,6 +68,15 @@ fn ct(key: CtKey, dreg: u32) -> Expr {
     x(expr::Kind::Ct(Ct {
         key: key as i32,
         dreg,
+        ..Default::default()
+    }))
+}
+
+fn ct_dir(key: CtKey, direction: CtDirection, dreg: u32) -> Expr {
+    x(expr::Kind::Ct(Ct {
+        key: key as i32,
+        dreg,
+        direction: direction as i32,
     }))
 }
 
@@ -1324,6 +1333,76 @@ fn constants_in_concatenations_follow_the_set_types() {
     assert_eq!(r, "ip daddr . reg 1 . th dport @svc");
 }
 
+/// Conntrack tuple fields print as nft lists them (checked against `nft list ruleset` in the
+/// actuator's kernel test `kernel_ct_tuple_fields_load_and_match`).
+#[test]
+fn ct_tuple_fields() {
+    use CtDirection::{Original, Reply};
+    let tbl = Table {
+        family: Family::Ip as i32,
+        sets: vec![
+            set(
+                "flows",
+                &[Ipv4Addr, Ipv4Addr, InetProto, InetService],
+                &[],
+                vec![],
+            ),
+            set("flows6", &[Ipv6Addr, InetService], &[], vec![]),
+        ],
+        ..Default::default()
+    };
+    let ctx = Context::of(&tbl);
+    let r = |exprs: Vec<Expr>| render::rule_in(&ctx, &rule(exprs));
+    assert_eq!(
+        r(vec![
+            ct_dir(CtKey::SrcIp, Original, 0),
+            ct_dir(CtKey::DstIp, Original, 1),
+            ct_dir(CtKey::Protocol, Original, 2),
+            ct_dir(CtKey::ProtoDst, Original, 3),
+            lookup("flows", 0),
+            counter(),
+        ]),
+        // nft lists `ct original protocol` as `ct protocol`: the kernel keeps no direction for it.
+        "ct original ip saddr . ct original ip daddr . ct protocol . ct original proto-dst @flows counter"
+    );
+    // An IPv6 address takes four registers: the port that follows starts at register 4.
+    assert_eq!(
+        r(vec![
+            ct_dir(CtKey::DstIp6, Original, 0),
+            ct_dir(CtKey::ProtoDst, Original, 4),
+            lookup("flows6", 0),
+        ]),
+        "ct original ip6 daddr . ct original proto-dst @flows6"
+    );
+    // Constants follow the field's type.
+    assert_eq!(
+        r(vec![
+            ct_dir(CtKey::Protocol, Original, 0),
+            cmp(CmpOp::Eq, 0, &[17]),
+            ct_dir(CtKey::ProtoDst, Original, 1),
+            cmp(CmpOp::Eq, 1, &[0x14, 0xe9]),
+            ct_dir(CtKey::SrcIp, Reply, 2),
+            cmp(CmpOp::Neq, 2, &[10, 244, 1, 5]),
+            ct_dir(CtKey::SrcIp6, Reply, 4),
+            cmp(CmpOp::Eq, 4, &v6_bytes("fd00::5")),
+            ct_dir(CtKey::ProtoSrc, Reply, 8),
+            cmp(CmpOp::Eq, 8, &[0, 53]),
+        ]),
+        "ct protocol udp ct original proto-dst 5353 ct reply ip saddr != 10.244.1.5 \
+         ct reply ip6 saddr fd00::5 ct reply proto-src 53"
+    );
+    assert_eq!(
+        r(vec![ct(CtKey::Protocol, 0), cmp(CmpOp::Eq, 0, &[6])]),
+        "ct protocol tcp"
+    );
+    // Without a direction (which the kernel refuses for address and port fields) nothing is
+    // invented.
+    assert_eq!(
+        r(vec![ct(CtKey::DstIp, 0), cmp(CmpOp::Eq, 0, &[10, 0, 0, 1])]),
+        "ct ip daddr 10.0.0.1"
+    );
+}
+
 #[test]
 fn registers_that_were_overwritten_or_never_loaded() {
     let r = |exprs: Vec<Expr>| render::rule(&rule(exprs));
@@ -1376,7 +1455,11 @@ fn garbage_does_not_panic() {
             set: true,
             sreg: u32::MAX,
         })),
-        x(expr::Kind::Ct(Ct { key: 99, dreg: 14 })),
+        x(expr::Kind::Ct(Ct {
+            key: 99,
+            dreg: 14,
+            direction: 9,
+        })),
         x(expr::Kind::Fib(Fib {
             flags: u32::MAX,
             result: 42,
@@ -1569,6 +1652,7 @@ fn random_expr(rng: &mut XorShift) -> Expr {
         2 => expr::Kind::Ct(Ct {
             key: rng.small(),
             dreg: rng.reg(),
+            direction: rng.below(4) as i32,
         }),
         3 => expr::Kind::Fib(Fib {
             flags: rng.next() as u32,

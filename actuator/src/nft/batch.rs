@@ -207,6 +207,67 @@ impl Batch {
         self.elements(family, table, set, elems, Op::Delete)
     }
 
+    /// NFT_MSG_DESTROYSETELEM (Linux >= 6.3): removes the elements of set `set` whose keys are
+    /// `keys`, as the kernel holds them (bytes from a dump, see
+    /// [`super::NftSocket::dump_elements`]). An element that is already gone, expired for
+    /// instance, is skipped rather than failing the transaction.
+    pub fn destroy_element_keys<'k>(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+        keys: impl IntoIterator<Item = &'k [u8]>,
+    ) -> Result<(), EncodeError> {
+        let nfproto = check::family(family)?;
+        check::name("table", table)?;
+        check::name("set", set)?;
+        let (buf_mark, msgs_mark) = (self.buf.len(), self.msgs.len());
+        let r = self.destroy_keys_inner(nfproto, table, set, keys);
+        if r.is_err() {
+            self.buf.truncate(buf_mark);
+            self.buf.clear_overflow();
+            self.msgs.truncate(msgs_mark);
+        }
+        r
+    }
+
+    fn destroy_keys_inner<'k>(
+        &mut self,
+        nfproto: u8,
+        table: &str,
+        set: &str,
+        keys: impl IntoIterator<Item = &'k [u8]>,
+    ) -> Result<(), EncodeError> {
+        let verb = "destroy elements of";
+        let mut entry = NlaBuf::new();
+        let mut open: Option<OpenElements> = None;
+        for (i, key) in keys.into_iter().enumerate() {
+            entry.clear();
+            element::encode_key(&mut entry, key);
+            if entry.overflowed() || entry.len() > ELEMENTS_PER_MESSAGE_BYTES {
+                return Err(EncodeError::element(set, i, "element too large"));
+            }
+            let full = open.as_ref().is_some_and(|o| {
+                self.buf.len() - o.list_start + entry.len() > ELEMENTS_PER_MESSAGE_BYTES
+            });
+            if full && let Some(o) = open.take() {
+                self.close_elements(o, verb, set)?;
+            }
+            let o = match &mut open {
+                Some(o) => o,
+                None => {
+                    open.insert(self.open_elements(NFT_MSG_DESTROYSETELEM, nfproto, 0, table, set))
+                }
+            };
+            self.buf.extend_raw(entry.bytes());
+            o.entries.push(i as u32);
+        }
+        if let Some(o) = open {
+            self.close_elements(o, verb, set)?;
+        }
+        Ok(())
+    }
+
     /// Number of messages (BATCH_BEGIN/END not counted).
     pub fn len(&self) -> usize {
         self.msgs.len()
@@ -262,7 +323,9 @@ impl Batch {
             |a: &Attr<'_>| (a.offset..a.offset + align4(a.value.len() + NLA_HDRLEN)).contains(&off);
         let msg_type = (u16::from_ne_bytes([bytes[4], bytes[5]]) & 0xff) as u8;
         let (list_attr, elements) = match msg_type {
-            NFT_MSG_NEWSETELEM | NFT_MSG_DELSETELEM => (NFTA_SET_ELEM_LIST_ELEMENTS, true),
+            NFT_MSG_NEWSETELEM | NFT_MSG_DELSETELEM | NFT_MSG_DESTROYSETELEM => {
+                (NFTA_SET_ELEM_LIST_ELEMENTS, true)
+            }
             NFT_MSG_NEWRULE => (NFTA_RULE_EXPRESSIONS, false),
             _ => return m.what.clone(),
         };
@@ -395,7 +458,9 @@ impl Batch {
             }
             let o = match &mut open {
                 Some(o) => o,
-                None => open.insert(self.open_elements(msg_type, nfproto, flags, table, layout)),
+                None => {
+                    open.insert(self.open_elements(msg_type, nfproto, flags, table, &layout.name))
+                }
             };
             self.buf.extend_raw(entry.bytes());
             o.entries.extend(std::iter::repeat_n(i as u32, n));
@@ -412,11 +477,11 @@ impl Batch {
         nfproto: u8,
         flags: u16,
         table: &str,
-        layout: &SetLayout,
+        set: &str,
     ) -> OpenElements {
         let start = self.begin(msg_type, nfproto, flags);
         self.buf.put_strz(NFTA_SET_ELEM_LIST_TABLE, table);
-        self.buf.put_strz(NFTA_SET_ELEM_LIST_SET, &layout.name);
+        self.buf.put_strz(NFTA_SET_ELEM_LIST_SET, set);
         let list_start = self.buf.len();
         let list = self.buf.begin_nest(NFTA_SET_ELEM_LIST_ELEMENTS);
         OpenElements {
@@ -568,6 +633,51 @@ mod tests {
             decoded.extend(element::tests::decode(&layout, &list));
         }
         assert_eq!(decoded, elems);
+    }
+
+    #[test]
+    fn destroy_by_key_bytes_packs_keys_only() {
+        let keys: Vec<Vec<u8>> = (0..6_000u32)
+            .map(|i| [i.to_be_bytes(), [0, 0, 0, 80]].concat())
+            .collect();
+        let mut b = Batch::new();
+        b.destroy_element_keys(IP, "t", "affinity", keys.iter().map(Vec::as_slice))
+            .unwrap();
+        assert!(b.len() > 1, "{} messages", b.len());
+        let mut got = Vec::new();
+        for msg in b.messages() {
+            let (_, ty, flags, family) = header(msg);
+            assert_eq!(ty & 0xff, u16::from(NFT_MSG_DESTROYSETELEM));
+            assert_eq!(flags, NLM_F_REQUEST | NLM_F_ACK);
+            assert_eq!(family, NFPROTO_IPV4);
+            let attrs = Attrs::with_base(&msg[HEADER_LEN..], HEADER_LEN);
+            let set = attrs.find(NFTA_SET_ELEM_LIST_SET).unwrap();
+            assert_eq!(set.str(), Some("affinity"));
+            let list = attrs.find(NFTA_SET_ELEM_LIST_ELEMENTS).unwrap();
+            assert!(list.value.len() <= ELEMENTS_PER_MESSAGE_BYTES);
+            for entry in list.nested() {
+                let types: Vec<u16> = entry.nested().map(|a| a.ty).collect();
+                assert_eq!(types, vec![NFTA_SET_ELEM_KEY]);
+            }
+            element::decode_raw(&list, &mut got);
+        }
+        let got: Vec<Vec<u8>> = got.into_iter().map(|e| e.key).collect();
+        assert_eq!(got, keys);
+        assert!(
+            b.describe(1, None)
+                .starts_with("destroy elements of set affinity (elements ")
+        );
+        // Nothing to destroy: no message.
+        let mut empty = Batch::new();
+        empty
+            .destroy_element_keys(IP, "t", "affinity", std::iter::empty())
+            .unwrap();
+        assert!(empty.is_empty());
+        assert!(
+            empty
+                .destroy_element_keys(IP, "t", "", std::iter::empty())
+                .is_err()
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 #![allow(dead_code)] // a complete, checked table is easier to review than a minimal one
 
 pub use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_ACK_TLVS, NLM_F_APPEND, NLM_F_CAPPED, NLM_F_CREATE, NLM_F_REQUEST,
+    NLM_F_ACK, NLM_F_ACK_TLVS, NLM_F_APPEND, NLM_F_CAPPED, NLM_F_CREATE, NLM_F_DUMP, NLM_F_REQUEST,
 };
 
 // ---- netlink ----
@@ -44,9 +44,13 @@ pub const NFT_MSG_DELRULE: u8 = 8;
 pub const NFT_MSG_NEWSET: u8 = 9;
 pub const NFT_MSG_DELSET: u8 = 11;
 pub const NFT_MSG_NEWSETELEM: u8 = 12;
+pub const NFT_MSG_GETSETELEM: u8 = 13;
 pub const NFT_MSG_DELSETELEM: u8 = 14;
 /// Linux >= 6.3: like DELTABLE, but no ENOENT when the table is absent.
 pub const NFT_MSG_DESTROYTABLE: u8 = 26;
+/// Linux >= 6.3: like DELSETELEM, but an element that is absent (expired meanwhile) is
+/// skipped instead of failing the transaction with ENOENT.
+pub const NFT_MSG_DESTROYSETELEM: u8 = 30;
 
 // ---- generic list / expression / data attributes ----
 pub const NFTA_LIST_ELEM: u16 = 1;
@@ -184,9 +188,20 @@ pub const NFT_META_PKTTYPE: u32 = 19;
 
 pub const NFTA_CT_DREG: u16 = 1;
 pub const NFTA_CT_KEY: u16 = 2;
+/// NLA_U8: IP_CT_DIR_ORIGINAL (0) or IP_CT_DIR_REPLY (1).
+pub const NFTA_CT_DIRECTION: u16 = 3;
 pub const NFT_CT_STATE: u32 = 0;
 pub const NFT_CT_STATUS: u32 = 2;
 pub const NFT_CT_MARK: u32 = 3;
+pub const NFT_CT_PROTOCOL: u32 = 10;
+pub const NFT_CT_PROTO_SRC: u32 = 11;
+pub const NFT_CT_PROTO_DST: u32 = 12;
+pub const NFT_CT_SRC_IP: u32 = 19;
+pub const NFT_CT_DST_IP: u32 = 20;
+pub const NFT_CT_SRC_IP6: u32 = 21;
+pub const NFT_CT_DST_IP6: u32 = 22;
+pub const IP_CT_DIR_ORIGINAL: u8 = 0;
+pub const IP_CT_DIR_REPLY: u8 = 1;
 
 pub const NFTA_FIB_DREG: u16 = 1;
 pub const NFTA_FIB_RESULT: u16 = 2;

@@ -103,16 +103,39 @@ impl Fields {
 
     /// Appends the bytes of `datums` laid out for these fields.
     pub(crate) fn encode(&self, datums: &[Datum], out: &mut Vec<u8>) -> Result<(), String> {
-        if datums.len() != self.0.len() {
+        self.encode_from(0, datums, out)
+    }
+
+    /// Number of fields.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Byte offset of field `field` (the byte length when `field` is the number of fields).
+    pub(crate) fn offset(&self, field: usize) -> usize {
+        self.0.iter().take(field).map(|t| self.slot_len(*t)).sum()
+    }
+
+    /// Appends the bytes of the fields from `first` on, laid out as in the whole key (so that
+    /// they equal `encode`'s bytes from [`Fields::offset`]`(first)` on), for `datums`, the values
+    /// of those fields only.
+    pub(crate) fn encode_from(
+        &self,
+        first: usize,
+        datums: &[Datum],
+        out: &mut Vec<u8>,
+    ) -> Result<(), String> {
+        let fields = self.0.get(first..).unwrap_or_default();
+        if datums.len() != fields.len() {
             return Err(format!(
                 "{} values for {} fields",
                 datums.len(),
-                self.0.len()
+                fields.len()
             ));
         }
-        for (i, (t, d)) in self.0.iter().zip(datums).enumerate() {
+        for (i, (t, d)) in fields.iter().zip(datums).enumerate() {
             let start = out.len();
-            encode_field(*t, d, out).map_err(|why| format!("field {i}: {why}"))?;
+            encode_field(*t, d, out).map_err(|why| format!("field {}: {why}", first + i))?;
             out.resize(start + self.slot_len(*t), 0);
         }
         Ok(())
@@ -244,6 +267,28 @@ pub(crate) mod tests {
         want.extend_from_slice(&3u32.to_ne_bytes());
         assert_eq!(out, want);
         assert_eq!(f.decode(&out), key);
+    }
+
+    #[test]
+    fn a_key_without_its_first_fields_keeps_the_whole_keys_layout() {
+        use DataType::*;
+        let f = fields(&[Ipv4Addr, Ipv4Addr, InetProto, InetService]);
+        assert_eq!(
+            (f.len(), f.offset(0), f.offset(1), f.offset(4)),
+            (4, 0, 4, 16)
+        );
+        let key = [ip4([10, 0, 0, 1]), ip4([10, 96, 0, 1]), proto(17), port(53)];
+        let mut whole = Vec::new();
+        f.encode(&key, &mut whole).unwrap();
+        let mut tail = Vec::new();
+        f.encode_from(1, &key[1..], &mut tail).unwrap();
+        assert_eq!(tail, whole[f.offset(1)..]);
+        assert_eq!(tail, vec![10, 96, 0, 1, 17, 0, 0, 0, 0, 53, 0, 0]);
+        // Even when one field is left (a lone field would not be padded).
+        let mut last = Vec::new();
+        f.encode_from(3, &key[3..], &mut last).unwrap();
+        assert_eq!(last, vec![0, 53, 0, 0]);
+        assert!(f.encode_from(1, &key, &mut Vec::new()).is_err());
     }
 
     #[test]

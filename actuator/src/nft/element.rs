@@ -11,7 +11,7 @@ use super::check;
 use super::consts::*;
 use super::error::EncodeError;
 use super::expr::{put_value, verdict::put_verdict};
-use super::nla::NlaBuf;
+use super::nla::{Attr, Attrs, NlaBuf};
 use super::set::{SetData, SetLayout};
 use super::udata::Udata;
 
@@ -79,6 +79,48 @@ pub(crate) fn encode(
     Ok(1)
 }
 
+/// Appends the list entry of an element identified by its key bytes as the kernel holds them
+/// (from a dump), for a deletion.
+pub(crate) fn encode_key(b: &mut NlaBuf, key: &[u8]) {
+    let entry = b.begin_nest(NFTA_LIST_ELEM);
+    put_value(b, NFTA_SET_ELEM_KEY, key);
+    b.end_nest(entry);
+}
+
+/// An element as a dump returns it: its key and, for a data map, its data, as bytes in the
+/// layout of the set (datum.rs). What the bytes mean is up to whoever knows the set's layout.
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RawElement {
+    pub key: Vec<u8>,
+    /// Empty for plain sets and verdict maps.
+    pub data: Vec<u8>,
+}
+
+/// Appends the elements of an NFTA_SET_ELEM_LIST_ELEMENTS attribute to `out`. Interval-end
+/// entries and entries without a key value are skipped.
+pub(crate) fn decode_raw(list: &Attr<'_>, out: &mut Vec<RawElement>) {
+    let value = |a: &Attrs<'_>, ty| -> Option<Vec<u8>> {
+        Some(a.find(ty)?.nested().find(NFTA_DATA_VALUE)?.value.to_vec())
+    };
+    for entry in list.nested() {
+        let a = entry.nested();
+        let flags = a
+            .find(NFTA_SET_ELEM_FLAGS)
+            .and_then(|f| f.u32_be())
+            .unwrap_or(0);
+        if flags & NFT_SET_ELEM_INTERVAL_END != 0 {
+            continue;
+        }
+        let Some(key) = value(&a, NFTA_SET_ELEM_KEY) else {
+            continue;
+        };
+        out.push(RawElement {
+            key,
+            data: value(&a, NFTA_SET_ELEM_DATA).unwrap_or_default(),
+        });
+    }
+}
+
 /// Data or verdict, timeout and comment of an added element.
 fn encode_payload(b: &mut NlaBuf, layout: &SetLayout, elem: &Element) -> Result<(), String> {
     match &layout.data {
@@ -127,7 +169,6 @@ pub(crate) mod tests {
     use super::*;
     use crate::nft::datum::tests::{int, ip4, port, proto};
     use crate::nft::expr::verdict::decode_verdict;
-    use crate::nft::nla::{Attr, Attrs};
     use crate::nft::udata::comment_of;
     use splitproxy_proto::v1::{DataType, Set, Verdict, VerdictCode};
 
@@ -341,5 +382,61 @@ pub(crate) mod tests {
         let entry = Attrs::new(b.bytes()).next().unwrap();
         let types: Vec<u16> = entry.nested().map(|a| a.ty).collect();
         assert_eq!(types, vec![NFTA_SET_ELEM_KEY]);
+    }
+    #[test]
+    fn raw_decode_gives_the_key_and_data_bytes() {
+        use DataType::*;
+        let mut s = set("m", &[Ipv4Addr, InetService], &[Ipv4Addr, InetService]);
+        s.timeout = true;
+        let layout = SetLayout::new(&s).unwrap();
+        let elems = [
+            Element {
+                key: vec![ip4([10, 0, 0, 1]), port(80)],
+                data: vec![ip4([10, 244, 0, 1]), port(8080)],
+                timeout_ms: 1000,
+                comment: "c".to_owned(),
+                ..Element::default()
+            },
+            Element {
+                key: vec![ip4([10, 0, 0, 2]), port(443)],
+                data: vec![ip4([10, 244, 0, 2]), port(8443)],
+                ..Element::default()
+            },
+        ];
+        let mut b = NlaBuf::new();
+        let list = b.begin_nest(NFTA_SET_ELEM_LIST_ELEMENTS);
+        for (i, e) in elems.iter().enumerate() {
+            encode(&mut b, &layout, e, i, Op::Add, &mut Vec::new()).unwrap();
+        }
+        b.end_nest(list);
+        let mut got = Vec::new();
+        decode_raw(&Attrs::new(b.bytes()).next().unwrap(), &mut got);
+        assert_eq!(
+            got,
+            vec![
+                RawElement {
+                    key: vec![10, 0, 0, 1, 0, 80, 0, 0],
+                    data: vec![10, 244, 0, 1, 0x1f, 0x90, 0, 0],
+                },
+                RawElement {
+                    key: vec![10, 0, 0, 2, 1, 187, 0, 0],
+                    data: vec![10, 244, 0, 2, 0x20, 0xfb, 0, 0],
+                },
+            ]
+        );
+        // And a deletion by those bytes is the deletion the IR element encodes to.
+        let mut by_ir = NlaBuf::new();
+        encode(
+            &mut by_ir,
+            &layout,
+            &elems[0],
+            0,
+            Op::Delete,
+            &mut Vec::new(),
+        )
+        .unwrap();
+        let mut by_key = NlaBuf::new();
+        encode_key(&mut by_key, &got[0].key);
+        assert_eq!(by_key.bytes(), by_ir.bytes());
     }
 }

@@ -15,12 +15,12 @@
 mod batch;
 mod chain;
 mod check;
-mod consts;
+pub(crate) mod consts;
 mod datum;
 mod element;
 mod error;
 mod expr;
-mod nla;
+pub(crate) mod nla;
 mod rule;
 mod set;
 mod socket;
@@ -28,8 +28,10 @@ mod table;
 mod udata;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use batch::Batch;
+pub use element::RawElement;
 pub use error::{CommitError, EncodeError, MessageFailure};
+pub use set::DataMapLayout;
 pub use socket::NftSocket;

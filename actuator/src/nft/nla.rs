@@ -145,7 +145,6 @@ pub(crate) struct Attr<'a> {
 }
 
 impl<'a> Attr<'a> {
-    #[cfg(test)]
     pub(crate) fn u32_be(&self) -> Option<u32> {
         Some(u32::from_be_bytes(self.value.get(..4)?.try_into().ok()?))
     }

@@ -84,6 +84,81 @@ impl SetLayout {
     }
 }
 
+/// How a data map's entries are laid out in bytes, to match entries dumped from the kernel
+/// (whose keys and data come back as bytes) against IR values without decoding them.
+///
+/// An entry's "tail" is its key without its first `skip` fields, followed by its data: the
+/// bytes from the key field's offset on, as the whole key lays them out (4-byte slots in a
+/// concatenation), then the data bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataMapLayout {
+    key: Fields,
+    data: Fields,
+}
+
+impl DataMapLayout {
+    /// The layout of `map`, which must be a data map (not a set, not a verdict map).
+    pub fn new(map: &Set) -> Result<Self, EncodeError> {
+        let layout = SetLayout::new(map)?;
+        match layout.data {
+            SetData::Value(data) => Ok(Self {
+                key: layout.key,
+                data,
+            }),
+            _ => Err(EncodeError::set(&map.name, "not a data map".to_owned())),
+        }
+    }
+
+    /// Number of key fields.
+    pub fn key_fields(&self) -> usize {
+        self.key.len()
+    }
+
+    /// Number of data fields.
+    pub fn data_fields(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Appends the tail of an entry whose key fields from `skip` on and whose data fields hold
+    /// `values`, in that order.
+    pub fn encode_tail(
+        &self,
+        skip: usize,
+        values: &[splitproxy_proto::v1::Datum],
+        out: &mut Vec<u8>,
+    ) -> Result<(), String> {
+        let key_values = self.key.len().saturating_sub(skip);
+        if skip > self.key.len() || values.len() != key_values + self.data.len() {
+            return Err(format!(
+                "{} values for the last {key_values} key fields and {} data fields",
+                values.len(),
+                self.data.len()
+            ));
+        }
+        let (key, data) = values.split_at(key_values);
+        self.key
+            .encode_from(skip, key, out)
+            .map_err(|why| format!("key: {why}"))?;
+        self.data
+            .encode(data, out)
+            .map_err(|why| format!("data: {why}"))
+    }
+
+    /// Appends the tail of an entry dumped as `key` and `data` bytes; false (and nothing
+    /// appended) when their lengths are not this layout's.
+    pub fn entry_tail(&self, skip: usize, key: &[u8], data: &[u8], out: &mut Vec<u8>) -> bool {
+        if key.len() != self.key.byte_len() || data.len() != self.data.byte_len() {
+            return false;
+        }
+        let Some(tail) = key.get(self.key.offset(skip.min(self.key.len()))..) else {
+            return false;
+        };
+        out.extend_from_slice(tail);
+        out.extend_from_slice(data);
+        true
+    }
+}
+
 /// Attributes of a set declaration. `id` is unique within the transaction (the kernel requires
 /// NFTA_SET_ID, which lets later messages of the same batch name the set by id).
 pub(crate) fn encode_add(
@@ -225,6 +300,9 @@ pub(crate) mod tests {
             dynamic: flags & NFT_SET_EVAL != 0,
             comment: comment_of(udata, NFTNL_UDATA_SET_COMMENT),
             elements: vec![],
+            // Userspace only: never on the wire.
+            conntrack: 0,
+            guards: String::new(),
         };
         (s(NFTA_SET_TABLE), set)
     }
@@ -264,6 +342,8 @@ pub(crate) mod tests {
             dynamic: true,
             comment: "session affinity".to_owned(),
             elements: vec![],
+            conntrack: 0,
+            guards: String::new(),
         };
         assert_eq!(round_trip(&set), set);
         let ranges = Set {
@@ -275,6 +355,114 @@ pub(crate) mod tests {
         let layout = SetLayout::new(&ranges).unwrap();
         assert_eq!(layout.flags(), NFT_SET_INTERVAL | NFT_SET_CONCAT);
         assert_eq!(round_trip(&ranges), ranges);
+    }
+
+    /// `Set.conntrack` tells the actuator how to clean conntrack, `Set.guards` which map entries
+    /// to delete; the kernel sees neither: a set and its elements encode to the same bytes
+    /// whatever their values.
+    #[test]
+    fn conntrack_role_is_not_sent_to_the_kernel() {
+        use splitproxy_proto::v1::ConntrackRole;
+        for set in crate::nft::tests::fixture::sets() {
+            let encode = |s: &Set| {
+                let layout = SetLayout::new(s).unwrap();
+                let mut b = NlaBuf::new();
+                encode_add(&mut b, "splitproxy", &layout, &s.comment, 1).unwrap();
+                let mut batch = crate::nft::Batch::new();
+                batch
+                    .add_elements(splitproxy_proto::v1::Family::Ip, "t", s, &s.elements)
+                    .unwrap();
+                let elements: Vec<Vec<u8>> = batch.messages().map(<[u8]>::to_vec).collect();
+                (b.bytes().to_vec(), elements)
+            };
+            for role in [ConntrackRole::Endpoints, ConntrackRole::NoEndpoints] {
+                let with_role = Set {
+                    conntrack: role as i32,
+                    ..set.clone()
+                };
+                assert_eq!(encode(&with_role), encode(&set), "set {}", set.name);
+            }
+            // Nor is the map a set guards.
+            let guarding = Set {
+                guards: "affinity".to_owned(),
+                ..set.clone()
+            };
+            assert_eq!(encode(&guarding), encode(&set), "set {}", set.name);
+        }
+    }
+
+    #[test]
+    fn data_map_layout_tails() {
+        use crate::nft::datum::tests::{ip4, port, proto};
+        use DataType::*;
+        let map = Set {
+            name: "affinity".to_owned(),
+            key: vec![
+                Ipv4Addr as i32,
+                Ipv4Addr as i32,
+                InetProto as i32,
+                InetService as i32,
+            ],
+            data: vec![Ipv4Addr as i32, InetService as i32],
+            timeout: true,
+            dynamic: true,
+            ..Set::default()
+        };
+        let layout = DataMapLayout::new(&map).unwrap();
+        assert_eq!((layout.key_fields(), layout.data_fields()), (4, 2));
+        let values = [
+            ip4([10, 96, 0, 10]),
+            proto(6),
+            port(80),
+            ip4([10, 244, 1, 5]),
+            port(8080),
+        ];
+        let mut want = Vec::new();
+        layout.encode_tail(1, &values, &mut want).unwrap();
+        // Laid out by hand: 4-byte slots, ports in network order.
+        assert_eq!(
+            want,
+            [
+                10, 96, 0, 10, 6, 0, 0, 0, 0, 80, 0, 0, 10, 244, 1, 5, 0x1f, 0x90, 0, 0
+            ]
+        );
+        let key = [
+            10, 0, 0, 1, 10, 96, 0, 10, 6, 0, 0, 0, 0, 80, 0, 0, //
+        ];
+        let data = [10, 244, 1, 5, 0x1f, 0x90, 0, 0];
+        let mut got = Vec::new();
+        assert!(layout.entry_tail(1, &key, &data, &mut got));
+        assert_eq!(got, want);
+        // Wrong lengths, wrong values.
+        assert!(!layout.entry_tail(1, &key[..12], &data, &mut got));
+        assert!(!layout.entry_tail(1, &key, &data[..4], &mut got));
+        assert_eq!(got, want, "nothing appended");
+        assert!(
+            layout
+                .encode_tail(1, &values[1..], &mut Vec::new())
+                .is_err()
+        );
+        assert!(
+            layout
+                .encode_tail(
+                    1,
+                    &[port(80), port(80), port(80), port(80), port(80)],
+                    &mut Vec::new()
+                )
+                .is_err()
+        );
+        assert!(layout.encode_tail(9, &values, &mut Vec::new()).is_err());
+        // Only data maps.
+        let plain = Set {
+            data: vec![],
+            ..map.clone()
+        };
+        assert!(DataMapLayout::new(&plain).is_err());
+        let verdicts = Set {
+            data: vec![Verdict as i32],
+            ..map
+        };
+        assert!(DataMapLayout::new(&verdicts).is_err());
     }
 
     #[test]

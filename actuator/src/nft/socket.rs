@@ -18,10 +18,14 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
+use splitproxy_proto::v1::Family;
+
 use super::batch::{Batch, HEADER_LEN};
+use super::check;
 use super::consts::*;
+use super::element::{self, RawElement};
 use super::error::{CommitError, MessageFailure};
-use super::nla::{Attrs, align4};
+use super::nla::{Attrs, NlaBuf, align4};
 
 /// Longest wait for an acknowledgement. Batches are processed synchronously within `send`, so
 /// the acknowledgements are normally queued before we read; this only bounds the unexpected.
@@ -111,6 +115,52 @@ impl NftSocket {
             "nft commit"
         );
         r
+    }
+
+    /// Lists the elements of set `set` in table `family table` (an NFT_MSG_GETSETELEM dump),
+    /// as bytes. Meant for what only the kernel knows, such as the entries the packet path
+    /// adds to a dynamic map; what the actuator sent, it reads from its model instead.
+    pub fn dump_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> io::Result<Vec<RawElement>> {
+        let invalid = |e: super::EncodeError| io::Error::new(io::ErrorKind::InvalidInput, e);
+        let nfproto = check::family(family).map_err(invalid)?;
+        check::name("table", table).map_err(invalid)?;
+        check::name("set", set).map_err(invalid)?;
+        let seq = self.seq;
+        self.seq = seq.wrapping_add(1);
+        let mut attrs = NlaBuf::new();
+        attrs.put_strz(NFTA_SET_ELEM_LIST_TABLE, table);
+        attrs.put_strz(NFTA_SET_ELEM_LIST_SET, set);
+        self.out.clear();
+        self.out.extend_from_slice(&request_header(
+            NFT_MSG_GETSETELEM,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            nfproto,
+            seq,
+            HEADER_LEN + attrs.len(),
+        ));
+        self.out.extend_from_slice(attrs.bytes());
+        self.drain_stale();
+        let sent = self.sock.send(&self.out, 0)?;
+        if sent != self.out.len() {
+            return Err(io::Error::other(format!(
+                "short send: {sent} of {} bytes",
+                self.out.len()
+            )));
+        }
+        let mut out = Vec::new();
+        // The kernel fills one datagram per read (at most 32 KiB), until NLMSG_DONE.
+        loop {
+            self.rx.clear();
+            let n = self.sock.recv(&mut self.rx, 0)?.min(self.rx.len());
+            if parse_dump(&self.rx[..n], seq, &mut out)? {
+                return Ok(out);
+            }
+        }
     }
 
     /// Raises the socket buffers so the datagram fits and every acknowledgement can queue.
@@ -242,6 +292,68 @@ fn frame(out: &mut Vec<u8>, batch: &Batch, base: u32) {
     out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
 }
 
+/// nlmsghdr and nfgenmsg of a request that stands alone (not in a batch).
+fn request_header(msg_type: u8, flags: u16, nfproto: u8, seq: u32, len: usize) -> [u8; HEADER_LEN] {
+    let mut m = [0u8; HEADER_LEN];
+    m[0..4].copy_from_slice(&(len as u32).to_ne_bytes());
+    let ty = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg_type);
+    m[4..6].copy_from_slice(&ty.to_ne_bytes());
+    m[6..8].copy_from_slice(&flags.to_ne_bytes());
+    m[8..12].copy_from_slice(&seq.to_ne_bytes());
+    m[16] = nfproto;
+    m[17] = NFNETLINK_V0;
+    m
+}
+
+/// Reads one datagram of a set element dump (request `seq`), appending its elements to `out`.
+/// True once the dump is done; an error the kernel reports instead of elements is returned.
+fn parse_dump(mut buf: &[u8], seq: u32, out: &mut Vec<RawElement>) -> io::Result<bool> {
+    let newsetelem = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_NEWSETELEM);
+    while buf.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "truncated netlink message in a dump",
+            ));
+        }
+        let ty = u16::from_ne_bytes([buf[4], buf[5]]);
+        let msg_seq = u32::from_ne_bytes([buf[8], buf[9], buf[10], buf[11]]);
+        let payload = &buf[NLMSG_HDRLEN..len];
+        buf = buf.get(align4(len)..).unwrap_or_default();
+        if msg_seq != seq {
+            continue; // not ours: left over from an earlier request
+        }
+        // NLMSG_DONE carries the dump's result, NLMSG_ERROR a refusal of the request.
+        let errno = || {
+            payload
+                .get(0..4)
+                .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+                .unwrap_or(0)
+        };
+        match ty {
+            NLMSG_DONE | NLMSG_ERROR if errno() < 0 => {
+                return Err(io::Error::from_raw_os_error(-errno()));
+            }
+            NLMSG_DONE | NLMSG_ERROR => return Ok(true),
+            t if t == newsetelem => {
+                let attrs = Attrs::new(payload.get(NFGENMSG_LEN..).unwrap_or_default());
+                if let Some(list) = attrs.find(NFTA_SET_ELEM_LIST_ELEMENTS) {
+                    element::decode_raw(&list, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    if !buf.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "trailing bytes in a dump datagram",
+        ));
+    }
+    Ok(false)
+}
+
 /// NFNL_MSG_BATCH_BEGIN or _END for the nf_tables subsystem.
 fn batch_marker(ty: u16, seq: u32) -> [u8; HEADER_LEN] {
     let mut m = [0u8; HEADER_LEN];
@@ -322,7 +434,6 @@ fn parse_error(seq: u32, flags: u16, payload: &[u8]) -> Option<Ack> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nft::nla::NlaBuf;
 
     fn error_msg(seq: u32, error: i32, tlvs: &[u8]) -> Vec<u8> {
         let mut m = Vec::new();
@@ -337,6 +448,62 @@ mod tests {
         m.extend_from_slice(&[0; NLMSG_HDRLEN]);
         m.extend_from_slice(tlvs);
         m
+    }
+
+    /// A netlink message of type `ty` (nf_tables subsystem unless a control type) with `body`.
+    fn message(ty: u16, seq: u32, body: &[u8]) -> Vec<u8> {
+        let mut m = Vec::new();
+        m.extend_from_slice(&((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes());
+        m.extend_from_slice(&ty.to_ne_bytes());
+        m.extend_from_slice(&netlink_packet_core::NLM_F_MULTIPART.to_ne_bytes());
+        m.extend_from_slice(&seq.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(body);
+        m.resize(align4(m.len()), 0);
+        m
+    }
+
+    fn elements_message(seq: u32, keys: &[[u8; 4]]) -> Vec<u8> {
+        let mut b = NlaBuf::new();
+        b.extend_raw(&[NFPROTO_IPV4, NFNETLINK_V0, 0, 0]);
+        b.put_strz(NFTA_SET_ELEM_LIST_TABLE, "t");
+        b.put_strz(NFTA_SET_ELEM_LIST_SET, "m");
+        let list = b.begin_nest(NFTA_SET_ELEM_LIST_ELEMENTS);
+        for k in keys {
+            let entry = b.begin_nest(NFTA_LIST_ELEM);
+            crate::nft::expr::put_value(&mut b, NFTA_SET_ELEM_KEY, k);
+            crate::nft::expr::put_value(&mut b, NFTA_SET_ELEM_DATA, &[9, 9, 9, 9]);
+            b.end_nest(entry);
+        }
+        b.end_nest(list);
+        let ty = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_NEWSETELEM);
+        message(ty, seq, b.bytes())
+    }
+
+    #[test]
+    fn parses_element_dumps_until_done() {
+        let mut out = Vec::new();
+        let mut dgram = elements_message(5, &[[1, 1, 1, 1], [2, 2, 2, 2]]);
+        // An earlier request's reply is skipped.
+        dgram.extend(elements_message(4, &[[6, 6, 6, 6]]));
+        assert!(!parse_dump(&dgram, 5, &mut out).unwrap());
+        let mut last = elements_message(5, &[[3, 3, 3, 3]]);
+        last.extend(message(NLMSG_DONE, 5, &0i32.to_ne_bytes()));
+        assert!(parse_dump(&last, 5, &mut out).unwrap());
+        let keys: Vec<Vec<u8>> = out.iter().map(|e| e.key.clone()).collect();
+        assert_eq!(keys, vec![vec![1; 4], vec![2; 4], vec![3; 4]]);
+        assert!(out.iter().all(|e| e.data == [9; 4]));
+
+        // The set does not exist: the kernel answers with an error.
+        let err = parse_dump(&error_msg(6, -2, &[]), 6, &mut out).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(2));
+        let err =
+            parse_dump(&message(NLMSG_DONE, 6, &(-4i32).to_ne_bytes()), 6, &mut out).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(4));
+        // Cut short.
+        let whole = elements_message(7, &[[1; 4]]);
+        assert!(parse_dump(&whole[..10], 7, &mut out).is_err());
+        assert!(parse_dump(&whole[..20], 7, &mut out).is_err());
     }
 
     #[test]

@@ -13,8 +13,6 @@ use crate::nft::set::SetLayout;
 use crate::nft::{element, rule};
 
 const NFT_MSG_GETRULE: u8 = 7;
-const NFT_MSG_GETSETELEM: u8 = 13;
-const NLM_F_DUMP: u16 = 0x300;
 
 /// Sends one dump request with `attrs` and returns the attributes of every reply message.
 fn dump(msg_type: u8, family: u8, attrs: &NlaBuf) -> Vec<Vec<u8>> {

@@ -178,6 +178,7 @@ pub(crate) fn ct_new_jump(chain: &str) -> Rule {
             e(Kind::Ct(Ct {
                 key: CtKey::State as i32,
                 dreg: 0,
+                ..Ct::default()
             })),
             e(Kind::Bitwise(Bitwise {
                 sreg: 0,

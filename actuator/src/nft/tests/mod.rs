@@ -6,4 +6,5 @@ pub(crate) mod fixture;
 mod crosscheck;
 mod dump;
 mod kernel;
-mod netns;
+mod kernel_ct;
+pub(crate) mod netns;

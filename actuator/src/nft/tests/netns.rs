@@ -18,23 +18,29 @@ pub(crate) struct Netns {
 impl Netns {
     /// Runs `nft args...` inside the namespace; panics on failure.
     pub(crate) fn nft(&self, args: &[&str]) -> String {
+        self.run("nft", args)
+    }
+
+    /// Runs `program args...` inside the namespace (`ip`, `conntrack`, ...); panics on failure.
+    pub(crate) fn run(&self, program: &str, args: &[&str]) -> String {
         let out = Command::new("nsenter")
-            .arg(format!(
-                "--net=/proc/{}/task/{}/ns/net",
-                std::process::id(),
-                self.tid
-            ))
+            .arg(format!("--net={}", self.path()))
             .arg("--")
-            .arg("nft")
+            .arg(program)
             .args(args)
             .output()
-            .expect("run nsenter nft");
+            .unwrap_or_else(|e| panic!("run nsenter {program}: {e}"));
         assert!(
             out.status.success(),
-            "nft {args:?}: {}",
+            "{program} {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        String::from_utf8(out.stdout).expect("nft output is UTF-8")
+        String::from_utf8(out.stdout).expect("output is UTF-8")
+    }
+
+    /// The namespace as a path `nsenter --net=` and `ip netns` helpers accept.
+    pub(crate) fn path(&self) -> String {
+        format!("/proc/{}/task/{}/ns/net", std::process::id(), self.tid)
     }
 
     /// `nft -j list ruleset`, parsed.
@@ -43,7 +49,7 @@ impl Netns {
     }
 }
 
-fn tool_works(cmd: &str, arg: &str) -> bool {
+pub(crate) fn tool_works(cmd: &str, arg: &str) -> bool {
     Command::new(cmd)
         .arg(arg)
         .output()
