@@ -25,9 +25,45 @@ pub struct Args {
     #[arg(long)]
     pub client_ca: PathBuf,
     /// Service CIDRs: ClusterIPs outside them are skipped, unallocated addresses inside are
-    /// dropped. Repeatable or comma-separated.
+    /// dropped. Repeatable or comma-separated. When unset, the brain follows the cluster's
+    /// ServiceCIDR objects (networking.k8s.io/v1), as kube-proxy's nftables mode does.
     #[arg(long = "service-cidr", value_delimiter = ',')]
     pub service_cidrs: Vec<ipnet::IpNet>,
+    /// Pod CIDRs of the cluster (kube-proxy's `--cluster-cidr`): with `--detect-local-mode
+    /// ClusterCIDR`, traffic to Services from outside them is masqueraded. Comma-separated, one
+    /// per family.
+    #[arg(long = "cluster-cidr", value_delimiter = ',')]
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
+    /// How a packet is told to come from a local pod (kube-proxy's `--detect-local-mode`):
+    /// ClusterCIDR (source inside `--cluster-cidr`), NodeCIDR (source inside the node's
+    /// `spec.podCIDRs`), InterfaceNamePrefix (arrives on an interface named
+    /// `--pod-interface-name-prefix*`), BridgeInterface (arrives on `--pod-bridge-interface`), or
+    /// None. Default: ClusterCIDR when `--cluster-cidr` is set, otherwise None.
+    #[arg(long)]
+    pub detect_local_mode: Option<crate::rules::DetectLocalMode>,
+    /// Interface name prefix of pod interfaces (InterfaceNamePrefix mode).
+    #[arg(long, default_value = "")]
+    pub pod_interface_name_prefix: String,
+    /// Bridge the pods are attached to (BridgeInterface mode).
+    #[arg(long, default_value = "")]
+    pub pod_bridge_interface: String,
+    /// Addresses NodePorts are reachable on (kube-proxy's `--nodeport-addresses`): `primary`
+    /// (the Node object's first InternalIP of each family, kube-proxy's nftables default), or
+    /// CIDRs selecting among the Node object's addresses (`0.0.0.0/0` for all of them).
+    /// Comma-separated.
+    #[arg(
+        long = "nodeport-addresses",
+        value_delimiter = ',',
+        default_value = "primary"
+    )]
+    pub nodeport_addresses: Vec<String>,
+    /// Masquerade all traffic to Services, as kube-proxy's `--masquerade-all`.
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// Serve only Services labelled `service.kubernetes.io/service-proxy-name` with this value
+    /// (empty: only Services without the label), as kube-proxy's `--service-proxy-name`.
+    #[arg(long, default_value = "")]
+    pub service_proxy_name: String,
     /// Name of the nftables tables the actuators own.
     #[arg(long, default_value = "splitproxy")]
     pub table: String,

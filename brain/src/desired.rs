@@ -1,17 +1,22 @@
-//! The desired ruleset of one node variant, kept up to date incrementally.
+//! The ruleset every node holds, kept up to date incrementally.
 //!
 //! Each Service's share of the ruleset (its [`Contribution`]) is remembered, so a change to a
 //! Service or its slices costs recomputing that Service and moving its elements, whatever the
 //! size of the cluster (invariant 4). The model is persistent: publishing it is an O(1) clone,
 //! and versions share structure so that nodes' deltas are cheap diffs.
+//!
+//! Node overlays ([`crate::overlay`]) add elements to the sets defined here; dynamic sets
+//! (per-count, per-timeout) they use are reference-counted here too, so a set exists exactly
+//! while some node or the shared state uses it.
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use prost::Message;
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
+use splitproxy_proto::v1::{RulesetDelta, Set};
 
 use crate::index::Index;
 use crate::objects::ObjectKey;
-use crate::rules::{self, Contribution, NodeView, PREALLOCATED_COUNTS, RulesConfig};
+use crate::rules::{self, Contribution, DynSet, NodeView, RulesConfig, chains, contribution};
 
 /// A Service's contributions to the ip and ip6 tables.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -25,10 +30,12 @@ pub struct Desired {
     view: NodeView,
     model: Model,
     shares: HashMap<ObjectKey, ServiceShare>,
-    /// How many Service ports use each endpoint count, per family (false: ip, true: ip6).
-    counts: BTreeMap<(bool, u32), usize>,
+    /// Uses of each dynamic set, per family (false: ip, true: ip6), by Services and overlays.
+    dyn_refs: BTreeMap<(bool, DynSet), usize>,
     /// Services with any IPv6 share (the ip6 table exists while there are any).
     v6_services: HashSet<ObjectKey>,
+    /// Grows whenever a table appears or goes, so overlays know to recompute.
+    layout: u64,
 }
 
 impl Desired {
@@ -38,8 +45,9 @@ impl Desired {
             view,
             model: Model::default(),
             shares: HashMap::new(),
-            counts: BTreeMap::new(),
+            dyn_refs: BTreeMap::new(),
             v6_services: HashSet::new(),
+            layout: 0,
         };
         d.reset();
         d
@@ -53,16 +61,32 @@ impl Desired {
         &self.view
     }
 
-    fn table_key(&self, ipv6: bool) -> TableKey {
+    pub fn layout(&self) -> u64 {
+        self.layout
+    }
+
+    pub fn table_key(&self, ipv6: bool) -> TableKey {
         (rules::family(ipv6) as i32, self.config.table.clone())
+    }
+
+    pub fn has_table(&self, ipv6: bool) -> bool {
+        self.model.tables.contains_key(&self.table_key(ipv6))
+    }
+
+    /// The definition of a set of a family's table.
+    pub fn set_def(&self, ipv6: bool, name: &str) -> Option<Set> {
+        self.model
+            .set(&self.table_key(ipv6), name)
+            .map(|s| (*s.def).clone())
     }
 
     /// Drops every Service and starts from the skeleton.
     fn reset(&mut self) {
         self.model = Model::default();
         self.shares.clear();
-        self.counts.clear();
+        self.dyn_refs.clear();
         self.v6_services.clear();
+        self.layout += 1;
         self.add_skeleton(false);
         if rules::wants_ipv6(&self.config) {
             self.add_skeleton(true);
@@ -70,11 +94,12 @@ impl Desired {
     }
 
     fn add_skeleton(&mut self, ipv6: bool) {
-        let table = rules::skeleton(&self.config, ipv6, 1..=PREALLOCATED_COUNTS);
-        self.model.apply(&splitproxy_proto::v1::RulesetDelta {
+        let table = rules::skeleton(&self.config, ipv6, &rules::preallocated());
+        self.model.apply(&RulesetDelta {
             upsert: vec![table],
             remove: vec![],
         });
+        self.layout += 1;
     }
 
     /// Recomputes everything from the index (start-up and relists).
@@ -88,10 +113,13 @@ impl Desired {
     pub fn update<'a>(&mut self, index: &Index, dirty: impl Iterator<Item = &'a ObjectKey>) {
         for key in dirty {
             let new = match index.service(key) {
-                Some(svc) => ServiceShare {
-                    v4: rules::contribution(index, svc, false),
-                    v6: rules::contribution(index, svc, true),
-                },
+                Some(svc) => {
+                    let eps = contribution::ServiceEndpoints::of(index, svc);
+                    ServiceShare {
+                        v4: contribution::global(svc, &eps, false),
+                        v6: contribution::global(svc, &eps, true),
+                    }
+                }
                 None => ServiceShare::default(),
             };
             let old = self.shares.remove(key).unwrap_or_default();
@@ -101,7 +129,7 @@ impl Desired {
                 }
                 continue;
             }
-            if !new.v6.is_empty() && !self.v6_table_exists() {
+            if !new.v6.is_empty() && !self.has_table(true) {
                 self.add_skeleton(true);
             }
             self.replace(false, &old.v4, &new.v4);
@@ -114,65 +142,80 @@ impl Desired {
             if !new.v4.is_empty() || !new.v6.is_empty() {
                 self.shares.insert(key.clone(), new);
             }
-            if self.v6_services.is_empty()
-                && !rules::wants_ipv6(&self.config)
-                && self.v6_table_exists()
-            {
-                let key = self.table_key(true);
-                self.model.remove_table(&key);
-                self.counts.retain(|(v6, _), _| !*v6);
+        }
+    }
+
+    /// Removes the ip6 table when nothing needs it any more (after Services and overlays are
+    /// up to date, so that no overlay still counts on it).
+    pub fn prune(&mut self) {
+        if self.v6_services.is_empty() && !rules::wants_ipv6(&self.config) && self.has_table(true) {
+            let key = self.table_key(true);
+            self.model.remove_table(&key);
+            self.dyn_refs.retain(|(v6, _), _| !*v6);
+            self.layout += 1;
+        }
+    }
+
+    /// A Service or a node overlay starts using a dynamic set.
+    pub fn acquire(&mut self, ipv6: bool, d: DynSet) {
+        let c = self.dyn_refs.entry((ipv6, d)).or_default();
+        *c += 1;
+        if *c == 1 && !rules::is_preallocated(d) && self.has_table(ipv6) {
+            let table = self.table_key(ipv6);
+            self.model.upsert_set(&table, &d.def(ipv6));
+            self.refresh_chains(ipv6);
+        }
+    }
+
+    /// ... and stops using it.
+    pub fn release(&mut self, ipv6: bool, d: DynSet) {
+        let Some(c) = self.dyn_refs.get_mut(&(ipv6, d)) else {
+            return;
+        };
+        *c = c.saturating_sub(1);
+        if *c == 0 {
+            self.dyn_refs.remove(&(ipv6, d));
+            if !rules::is_preallocated(d) && self.has_table(ipv6) {
+                let table = self.table_key(ipv6);
+                self.model.remove_set(&table, &d.name());
+                self.refresh_chains(ipv6);
             }
         }
     }
 
-    fn v6_table_exists(&self) -> bool {
-        self.model.tables.contains_key(&self.table_key(true))
+    fn refresh_chains(&mut self, ipv6: bool) {
+        let mut in_use = rules::preallocated();
+        in_use.extend(
+            self.dyn_refs
+                .keys()
+                .filter(|(v6, _)| *v6 == ipv6)
+                .map(|(_, d)| *d),
+        );
+        let table = self.table_key(ipv6);
+        self.model
+            .upsert_chain(&table, chains::services_chain(&self.config, ipv6, &in_use));
+        self.model
+            .upsert_chain(&table, chains::affinity_record_chain(ipv6, &in_use));
     }
 
     /// Swaps one family's old contribution for the new one: removes what went away, adds what
-    /// came, and keeps the `service-ports-N` sets and rules for the counts in use.
+    /// came, and keeps the dynamic sets and their rules for the ones in use.
     fn replace(&mut self, ipv6: bool, old: &Contribution, new: &Contribution) {
         if old == new {
             return;
         }
         let table = self.table_key(ipv6);
-        let keyed = |c: &Contribution| -> HashMap<(String, Box<[u8]>), Vec<u8>> {
-            c.elements
-                .iter()
-                .map(|(set, e)| ((set.to_string(), element_key_bytes(e)), e.encode_to_vec()))
-                .chain(c.counted.iter().map(|(n, e)| {
-                    (
-                        (rules::count_set_name(*n), element_key_bytes(e)),
-                        e.encode_to_vec(),
-                    )
-                }))
-                .collect()
-        };
         let (old_k, new_k) = (keyed(old), keyed(new));
         for (set, key) in old_k.keys().filter(|k| !new_k.contains_key(*k)) {
             self.model.remove_element(&table, set, key);
         }
-        // Counts the new contribution uses first, then release the old ones, so that a Service
+        // Sets the new contribution uses first, then release the old ones, so that a Service
         // keeping its count never drops and re-creates the set.
-        let mut chain_changed = false;
-        for (n, _) in &new.counted {
-            let c = self.counts.entry((ipv6, *n)).or_default();
-            *c += 1;
-            if *c == 1 && *n > PREALLOCATED_COUNTS {
-                self.model.upsert_set(&table, &rules::count_set(*n, ipv6));
-                chain_changed = true;
-            }
+        for (d, _) in &new.dynamic {
+            self.acquire(ipv6, *d);
         }
-        for (n, _) in &old.counted {
-            let c = self.counts.entry((ipv6, *n)).or_default();
-            *c = c.saturating_sub(1);
-            if *c == 0 {
-                self.counts.remove(&(ipv6, *n));
-                if *n > PREALLOCATED_COUNTS {
-                    self.model.remove_set(&table, &rules::count_set_name(*n));
-                    chain_changed = true;
-                }
-            }
+        for (d, _) in &old.dynamic {
+            self.release(ipv6, *d);
         }
         for ((set, key), value) in new_k {
             if old_k.get(&(set.clone(), key.clone())) != Some(&value) {
@@ -180,17 +223,18 @@ impl Desired {
                     .insert_element(&table, &set, key, value.into_boxed_slice());
             }
         }
-        if chain_changed {
-            let counts: Vec<u32> = (1..=PREALLOCATED_COUNTS)
-                .chain(
-                    self.counts
-                        .keys()
-                        .filter(|(v6, _)| *v6 == ipv6)
-                        .map(|(_, n)| *n),
-                )
-                .collect();
-            self.model
-                .upsert_chain(&table, rules::services_chain(counts, ipv6));
-        }
     }
+}
+
+/// A contribution's elements by (set, key), encoded.
+pub fn keyed(c: &Contribution) -> HashMap<(String, Box<[u8]>), Vec<u8>> {
+    c.elements
+        .iter()
+        .map(|(set, e)| ((set.to_string(), element_key_bytes(e)), e.encode_to_vec()))
+        .chain(
+            c.dynamic
+                .iter()
+                .map(|(d, e)| ((d.name(), element_key_bytes(e)), e.encode_to_vec())),
+        )
+        .collect()
 }

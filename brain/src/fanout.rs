@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use splitproxy_proto::frames::{UpdateFrame, encode_shared};
+use splitproxy_proto::frames::{UpdateFrame, encode_node_part, encode_parts, encode_tail};
 use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Ack, update::Body};
 use tokio::sync::watch;
@@ -37,6 +37,49 @@ pub struct Desired {
     pub version: u64,
     /// Models per node variant; every node maps to exactly one.
     pub variants: HashMap<NodeView, Arc<Model>>,
+    /// Each node's own elements on top of its variant (see [`crate::overlay`]); persistent, so
+    /// a publication clones it in O(1).
+    pub overlays: imbl::HashMap<String, Arc<Model>>,
+}
+
+/// What a node needs next.
+pub enum Next {
+    /// These frames, taking it to this state.
+    Send(Vec<UpdateFrame>, Held),
+    /// Nothing: it holds this state already.
+    Current(Held),
+}
+
+/// What a node holds (or is sent): a version of its variant and its overlay.
+#[derive(Debug, Clone)]
+pub struct Held {
+    pub version: u64,
+    pub model: Arc<Model>,
+    pub overlay: Arc<Model>,
+}
+
+impl Held {
+    pub fn digest(&self) -> Vec<u8> {
+        self.model.digest_with(&self.overlay)
+    }
+
+    /// The node's whole ruleset.
+    pub fn full(&self) -> Model {
+        let mut m = (*self.model).clone();
+        m.apply(&Model::default().diff(&self.overlay));
+        m
+    }
+}
+
+impl Desired {
+    /// What `node` should hold at this version.
+    pub fn held(&self, node: &str, view: &NodeView) -> Option<Held> {
+        Some(Held {
+            version: self.version,
+            model: self.variants.get(view)?.clone(),
+            overlay: self.overlays.get(node).cloned().unwrap_or_default(),
+        })
+    }
 }
 
 /// What one publication changed, for network programming latency and logs.
@@ -54,14 +97,20 @@ pub struct NodeState {
     pub peer: String,
     pub generation: u64,
     pub acked_generation: u64,
-    /// What the node holds after `acked_generation`, and the version it came from.
-    pub acked: Option<(u64, Arc<Model>)>,
+    /// What the node holds after `acked_generation`.
+    pub acked: Option<Held>,
     pub last_apply: Option<Duration>,
     pub last_error: String,
 }
 
 /// Identifies an encoded body: (base version or 0 for a snapshot, target version, variant).
 type BodyKey = (u64, u64, NodeView);
+
+/// The shared parts of one update body and its tail (trigger times, objects).
+struct Body2 {
+    parts: Vec<Bytes>,
+    tail: Bytes,
+}
 
 /// A publication whose fan-out is being timed: nodes that were connected when it was published
 /// and have not acked it (or anything newer) yet.
@@ -75,7 +124,7 @@ pub struct Fanout {
     desired_tx: watch::Sender<Arc<Desired>>,
     synced_tx: watch::Sender<bool>,
     changes: Mutex<VecDeque<Change>>,
-    bodies: Mutex<HashMap<BodyKey, Arc<Vec<Bytes>>>>,
+    bodies: Mutex<HashMap<BodyKey, Arc<Body2>>>,
     pending: Mutex<BTreeMap<u64, Pending>>,
     pub nodes: Mutex<HashMap<String, NodeState>>,
     pub metrics: Arc<Metrics>,
@@ -119,6 +168,7 @@ impl Fanout {
     pub fn publish(
         &self,
         variants: HashMap<NodeView, Arc<Model>>,
+        overlays: imbl::HashMap<String, Arc<Model>>,
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
     ) {
@@ -130,7 +180,8 @@ impl Fanout {
                     .variants
                     .get(v)
                     .is_some_and(|c| c.digest() == m.digest())
-            });
+            })
+            && current.overlays.ptr_eq(&overlays);
         if unchanged {
             return;
         }
@@ -172,8 +223,11 @@ impl Fanout {
         self.metrics
             .publications
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.desired_tx
-            .send_replace(Arc::new(Desired { version, variants }));
+        self.desired_tx.send_replace(Arc::new(Desired {
+            version,
+            variants,
+            overlays,
+        }));
     }
 
     /// Marks the brain ready to serve (every initial list done) or stale (relisting).
@@ -201,38 +255,41 @@ impl Fanout {
         NodeView::default()
     }
 
-    /// The next update for a node standing at `base` (version and model), towards `desired`,
-    /// as the frames to send in order (large bodies come in parts); `None` when the node
-    /// already holds the desired model.
-    pub fn next_update(
-        &self,
-        node: &str,
-        base: Option<&(u64, Arc<Model>)>,
-        desired: &Desired,
-    ) -> Option<(Vec<UpdateFrame>, Arc<Model>)> {
+    /// The next update for a node standing at `base`, towards `desired`, as the frames to send
+    /// in order: the shared parts of its variant's body (encoded once for every node at the same
+    /// base), then one last part with the node's own overlay change and the digest. `None`
+    /// when the node already holds the desired state.
+    pub fn next_update(&self, node: &str, base: Option<&Held>, desired: &Desired) -> Option<Next> {
         let view = self.view_of(node);
-        let target = desired.variants.get(&view)?.clone();
-        if let Some((_, model)) = base
-            && (Arc::ptr_eq(model, &target) || model.digest() == target.digest())
+        let target = desired.held(node, &view)?;
+        let same = |a: &Arc<Model>, b: &Arc<Model>| Arc::ptr_eq(a, b) || a.digest() == b.digest();
+        if let Some(b) = base
+            && same(&b.model, &target.model)
+            && same(&b.overlay, &target.overlay)
         {
-            return None;
+            if b.version != target.version {
+                self.record_current(node, target.clone());
+            }
+            return Some(Next::Current(target));
         }
-        let base_version = base.map(|(v, _)| *v).unwrap_or(0);
+        let base_version = base.map(|b| b.version).unwrap_or(0);
         let key = (base_version, desired.version, view);
         let shared = self.body(&key, || {
             let body = match base {
-                Some((_, model)) => Body::Delta(model.diff(&target)),
-                None => Body::Snapshot(target.to_ruleset()),
+                Some(b) => Body::Delta(b.model.diff(&target.model)),
+                None => Body::Snapshot(target.model.to_ruleset()),
             };
             let (trigger_times, objects) = self.changes_between(base_version, desired.version);
-            encode_shared(
-                body,
-                trigger_times,
-                objects,
-                target.digest(),
-                self.part_elements,
-            )
+            Body2 {
+                parts: encode_parts(body, self.part_elements),
+                tail: encode_tail(trigger_times, objects),
+            }
         });
+        let own = match base {
+            Some(b) => Body::Delta(b.overlay.diff(&target.overlay)),
+            None => Body::Snapshot(target.overlay.to_ruleset()),
+        };
+        let node_part = encode_node_part(own, target.digest());
         let (generation, base_generation) = {
             let mut nodes = self.nodes.lock().ok()?;
             let st = nodes.entry(node.to_string()).or_default();
@@ -244,15 +301,19 @@ impl Fanout {
             };
             (st.generation, base_generation)
         };
-        let frames: Vec<UpdateFrame> = shared
+        let frame = |shared: Bytes, extra: Bytes| UpdateFrame {
+            brain_epoch: self.epoch,
+            generation,
+            base_generation,
+            shared,
+            extra,
+        };
+        let mut frames: Vec<UpdateFrame> = shared
+            .parts
             .iter()
-            .map(|part| UpdateFrame {
-                brain_epoch: self.epoch,
-                generation,
-                base_generation,
-                shared: part.clone(),
-            })
+            .map(|part| frame(part.clone(), Bytes::new()))
             .collect();
+        frames.push(frame(shared.tail.clone(), node_part));
         let bytes: usize = frames.iter().map(prost::Message::encoded_len).sum();
         let m = &self.metrics;
         m.updates_sent.fetch_add(1, Ordering::Relaxed);
@@ -261,17 +322,30 @@ impl Fanout {
         if base_generation == 0 {
             m.snapshots_sent.fetch_add(1, Ordering::Relaxed);
         }
-        Some((frames, target))
+        Some(Next::Send(frames, target))
+    }
+
+    /// A node already holds what `held` (a newer version) describes: a publication that changed
+    /// other nodes only. It counts as in sync at that version, and as done for fan-out timing.
+    fn record_current(&self, node: &str, held: Held) {
+        let version = held.version;
+        if let Ok(mut nodes) = self.nodes.lock()
+            && let Some(st) = nodes.get_mut(node)
+            && st.acked.is_some()
+        {
+            st.acked = Some(held);
+        }
+        self.settle(node, Some(version));
     }
 
     /// The encoded body for `key`, built once.
-    fn body(&self, key: &BodyKey, build: impl FnOnce() -> Vec<Bytes>) -> Arc<Vec<Bytes>> {
+    fn body(&self, key: &BodyKey, build: impl FnOnce() -> Body2) -> Arc<Body2> {
         if let Some(b) = self.bodies.lock().ok().and_then(|c| c.get(key).cloned()) {
             return b;
         }
         let start = Instant::now();
         let b = Arc::new(build());
-        let len = b.iter().map(Bytes::len).sum();
+        let len = b.parts.iter().map(Bytes::len).sum::<usize>() + b.tail.len();
         self.metrics.observe_encode(start.elapsed(), len);
         if let Ok(mut c) = self.bodies.lock() {
             if c.len() >= BODY_CACHE {
@@ -314,25 +388,25 @@ impl Fanout {
         &self,
         node: &str,
         applied: Option<&splitproxy_proto::v1::Applied>,
-    ) -> Option<(u64, Arc<Model>)> {
+    ) -> Option<Held> {
         let applied = applied?;
         if applied.brain_epoch != self.epoch {
             return None;
         }
         let nodes = self.nodes.lock().ok()?;
         let st = nodes.get(node)?;
-        let (version, model) = st.acked.as_ref()?;
-        (st.acked_generation == applied.generation && model.digest() == applied.digest)
-            .then(|| (*version, model.clone()))
+        let held = st.acked.as_ref()?;
+        (st.acked_generation == applied.generation && held.digest() == applied.digest)
+            .then(|| held.clone())
     }
 
     /// Records a node's answer to the update that took it to `sent` (version and model).
-    pub fn record_ack(&self, node: &str, ack: &Ack, sent: (u64, Arc<Model>)) -> bool {
+    pub fn record_ack(&self, node: &str, ack: &Ack, sent: Held) -> bool {
         let apply = ack
             .apply_duration
             .as_ref()
             .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32));
-        let version = sent.0;
+        let version = sent.version;
         {
             let Ok(mut nodes) = self.nodes.lock() else {
                 return false;

@@ -36,6 +36,10 @@ impl Index {
         self.nodes.values()
     }
 
+    pub fn node(&self, name: &str) -> Option<&NodeInfo> {
+        self.nodes.get(name)
+    }
+
     pub fn apply_service(&mut self, key: ObjectKey, svc: Option<Arc<ServiceInfo>>) {
         match svc {
             Some(s) => {

@@ -9,6 +9,7 @@ pub mod http;
 pub mod index;
 pub mod metrics;
 pub mod objects;
+pub mod overlay;
 pub mod rules;
 pub mod run;
 pub mod server;

@@ -14,7 +14,7 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// namespace/name of a namespaced object.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct ObjectKey {
     pub namespace: String,
     pub name: String,
@@ -69,14 +69,42 @@ pub struct ServicePort {
     pub name: String,
     pub protocol: Protocol,
     pub port: u16,
+    /// Allocated for NodePort and LoadBalancer Services (unless
+    /// `allocateLoadBalancerNodePorts: false`).
+    pub node_port: Option<u16>,
 }
 
 /// A Service the dataplane forwards for. Headless and ExternalName Services never become one.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ServiceInfo {
     pub key: ObjectKey,
     pub cluster_ips: Vec<IpAddr>,
     pub ports: Vec<ServicePort>,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones (the load balancer
+    /// proxies those itself, so kube-proxy leaves them alone).
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges`: when set, only these clients may use the LB IPs.
+    pub source_ranges: Vec<ipnet::IpNet>,
+    /// `externalTrafficPolicy: Local` on a Service reachable from outside (NodePort,
+    /// LoadBalancer or externalIPs).
+    pub external_local: bool,
+    /// `internalTrafficPolicy: Local`.
+    pub internal_local: bool,
+    /// `sessionAffinity: ClientIP`: how long a client keeps its endpoint, in seconds.
+    pub affinity_timeout: Option<u32>,
+    /// `spec.healthCheckNodePort` of a LoadBalancer Service with `externalTrafficPolicy: Local`.
+    pub health_check_node_port: Option<u16>,
+}
+
+impl ServiceInfo {
+    /// NodePort, LoadBalancer or with externalIPs: the external traffic policy applies.
+    pub fn externally_accessible(&self) -> bool {
+        self.ports.iter().any(|p| p.node_port.is_some())
+            || !self.external_ips.is_empty()
+            || !self.load_balancer_ips.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +122,10 @@ pub struct Endpoint {
     pub terminating: bool,
     pub node_name: Option<String>,
     pub zone: Option<String>,
+    /// `hints.forZones`: zones whose nodes should prefer this endpoint.
+    pub zone_hints: Vec<String>,
+    /// `hints.forNodes`: nodes that should prefer this endpoint.
+    pub node_hints: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,11 +140,30 @@ pub struct SliceInfo {
     pub trigger_time: Option<k8s_openapi::jiff::Timestamp>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Hash)]
 pub struct NodeInfo {
     pub name: String,
+    /// InternalIPs first (in the Node's order), then ExternalIPs.
     pub addresses: Vec<IpAddr>,
+    /// The first InternalIP of each family (kube-proxy's node IPs); ExternalIPs when a family
+    /// has no InternalIP.
+    pub primary: Vec<IpAddr>,
     pub zone: Option<String>,
+    /// `spec.podCIDRs`.
+    pub pod_cidrs: Vec<ipnet::IpNet>,
+}
+
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// kube-proxy's default session affinity timeout (3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
+
+/// What the brain needs to reduce Services.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceFilter {
+    /// ClusterIPs outside these (when any) are skipped.
+    pub service_cidrs: Vec<ipnet::IpNet>,
+    /// `--service-proxy-name`: Services labelled for another proxy are not ours.
+    pub proxy_name: String,
 }
 
 /// Reduces a Service; `None` for Services that get no rules or are invalid.
@@ -120,12 +171,23 @@ pub struct NodeInfo {
 /// dataplane does not consider a Service address must not be captured by Service rules.
 pub fn service(
     svc: &Service,
-    service_cidrs: &[ipnet::IpNet],
+    filter: &ServiceFilter,
     metrics: &Metrics,
 ) -> Option<Arc<ServiceInfo>> {
     let key = ObjectKey::of(svc);
+    let service_cidrs = &filter.service_cidrs;
+    // Like kube-proxy: a Service labelled for another proxy is that proxy's; with a name set,
+    // only Services labelled with it are ours.
+    let proxy = svc
+        .labels()
+        .get(SERVICE_PROXY_NAME_LABEL)
+        .map(String::as_str);
+    if proxy.unwrap_or("") != filter.proxy_name {
+        return None;
+    }
     let spec = svc.spec.as_ref()?;
-    if spec.type_.as_deref() == Some("ExternalName") {
+    let ty = spec.type_.as_deref().unwrap_or("ClusterIP");
+    if ty == "ExternalName" {
         return None;
     }
     let raw_ips: Vec<&String> = match &spec.cluster_ips {
@@ -152,6 +214,7 @@ pub fn service(
             }
         }
     }
+    let with_node_ports = ty == "NodePort" || ty == "LoadBalancer";
     let mut ports = Vec::new();
     for p in spec.ports.iter().flatten() {
         let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
@@ -164,17 +227,96 @@ pub fn service(
             tracing::warn!(service = %key, port = p.port, "skipping port out of range");
             continue;
         };
+        let node_port = p
+            .node_port
+            .filter(|_| with_node_ports)
+            .and_then(|n| u16::try_from(n).ok())
+            .filter(|n| *n != 0);
         ports.push(ServicePort {
             name: p.name.clone().unwrap_or_default(),
             protocol,
             port,
+            node_port,
         });
     }
-    Some(Arc::new(ServiceInfo {
+    let addresses = |raw: &mut dyn Iterator<Item = &String>, what: &'static str| {
+        let mut out = Vec::new();
+        for r in raw {
+            match r.parse::<IpAddr>() {
+                Ok(ip) if usable_endpoint_ip(ip) => out.push(ip),
+                _ => {
+                    metrics.invalid("Service", what);
+                    tracing::warn!(service = %key, address = %r, "skipping unusable {what}");
+                }
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    };
+    let external_ips = addresses(
+        &mut spec.external_ips.iter().flatten(),
+        "external_ip_invalid",
+    );
+    let load_balancer_ips = if ty == "LoadBalancer" {
+        let ingress = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref());
+        addresses(
+            &mut ingress
+                .into_iter()
+                .flatten()
+                .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+                .filter_map(|i| i.ip.as_ref()),
+            "load_balancer_ip_invalid",
+        )
+    } else {
+        Vec::new()
+    };
+    let mut source_ranges = Vec::new();
+    if ty == "LoadBalancer" {
+        for r in spec.load_balancer_source_ranges.iter().flatten() {
+            match r.trim().parse::<ipnet::IpNet>() {
+                Ok(n) => source_ranges.push(n.trunc()),
+                Err(_) => {
+                    metrics.invalid("Service", "source_range_invalid");
+                    tracing::warn!(service = %key, range = %r, "skipping invalid loadBalancerSourceRange");
+                }
+            }
+        }
+    }
+    let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
+        spec.session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|t| *t > 0)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
+    });
+    let mut info = ServiceInfo {
         key,
         cluster_ips,
         ports,
-    }))
+        external_ips,
+        load_balancer_ips,
+        source_ranges,
+        external_local: false,
+        internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+        affinity_timeout,
+        health_check_node_port: None,
+    };
+    info.external_local =
+        info.externally_accessible() && spec.external_traffic_policy.as_deref() == Some("Local");
+    if ty == "LoadBalancer" && info.external_local {
+        info.health_check_node_port = spec
+            .health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0);
+    }
+    Some(Arc::new(info))
 }
 
 /// Is `ip` an address a packet may be forwarded to? kube-proxy's dataplane cannot DNAT to
@@ -251,6 +393,18 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
             terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
             node_name: ep.node_name.clone(),
             zone: ep.zone.clone(),
+            zone_hints: ep
+                .hints
+                .iter()
+                .flat_map(|h| h.for_zones.iter().flatten())
+                .map(|z| z.name.clone())
+                .collect(),
+            node_hints: ep
+                .hints
+                .iter()
+                .flat_map(|h| h.for_nodes.iter().flatten())
+                .map(|n| n.name.clone())
+                .collect(),
         });
     }
     let trigger_time = slice
@@ -268,18 +422,39 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
 }
 
 pub fn node(node: &Node) -> NodeInfo {
-    let addresses = node
+    let addrs: Vec<(&str, IpAddr)> = node
         .status
         .as_ref()
         .and_then(|s| s.addresses.as_ref())
         .into_iter()
         .flatten()
-        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
-        .filter_map(|a| a.address.parse().ok())
+        .filter_map(|a| Some((a.type_.as_str(), a.address.parse().ok()?)))
+        .collect();
+    let of = |ty: &'static str| addrs.iter().filter(move |(t, _)| *t == ty).map(|(_, a)| *a);
+    let addresses: Vec<IpAddr> = of("InternalIP").chain(of("ExternalIP")).collect();
+    let mut primary = Vec::new();
+    for v6 in [false, true] {
+        if let Some(a) = addresses.iter().find(|a| a.is_ipv6() == v6) {
+            primary.push(*a);
+        }
+    }
+    let pod_cidrs = node
+        .spec
+        .as_ref()
+        .and_then(|s| {
+            s.pod_cidrs
+                .clone()
+                .or_else(|| s.pod_cidr.clone().map(|c| vec![c]))
+        })
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|c| c.parse().ok())
         .collect();
     NodeInfo {
         name: node.name_any(),
         addresses,
+        primary,
         zone: node.labels().get("topology.kubernetes.io/zone").cloned(),
+        pod_cidrs,
     }
 }

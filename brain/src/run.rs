@@ -10,7 +10,7 @@ use tonic_health::ServingStatus;
 use crate::config::Args;
 use crate::fanout::Fanout;
 use crate::metrics::Metrics;
-use crate::rules::RulesConfig;
+use crate::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
 use crate::server::DataplaneService;
 use crate::{http, tls, watch};
 
@@ -26,6 +26,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let config = RulesConfig {
         table: args.table.clone(),
         service_cidrs: args.service_cidrs.clone(),
+        cluster_cidrs: args.cluster_cidrs.clone(),
+        detect_local: args
+            .detect_local_mode
+            .unwrap_or(if args.cluster_cidrs.is_empty() {
+                DetectLocalMode::None
+            } else {
+                DetectLocalMode::ClusterCidr
+            }),
+        pod_interface_name_prefix: args.pod_interface_name_prefix.clone(),
+        pod_bridge_interface: args.pod_bridge_interface.clone(),
+        nodeport_addresses: NodePortAddresses::parse(&args.nodeport_addresses)
+            .map_err(anyhow::Error::msg)?,
+        masquerade_all: args.masquerade_all,
+        service_proxy_name: args.service_proxy_name.clone(),
     };
     tracing::info!(epoch = fanout.epoch, listen = %args.listen, ?config, "starting brain");
 

@@ -16,7 +16,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::fanout::Fanout;
+use crate::fanout::{Fanout, Next};
 use crate::tls;
 
 /// How long the brain waits for an ack before it gives up on the stream.
@@ -100,7 +100,7 @@ impl Dataplane for DataplaneService {
                 in_sync: st
                     .acked
                     .as_ref()
-                    .is_some_and(|(v, _)| *v == desired.version),
+                    .is_some_and(|h| h.version == desired.version),
             })
             .collect();
         out.sort_by(|a, b| a.node.cmp(&b.node));
@@ -118,11 +118,10 @@ impl Dataplane for DataplaneService {
     ) -> Result<Response<GetNodeRulesetResponse>, Status> {
         let node = request.into_inner().node;
         let desired = self.fanout.desired();
-        let model = desired
-            .variants
-            .get(&self.fanout.view_of(&node))
+        let held = desired
+            .held(&node, &self.fanout.view_of(&node))
             .ok_or_else(|| Status::unavailable("no desired state yet"))?;
-        let ruleset = model.to_ruleset();
+        let ruleset = held.full().to_ruleset();
         Ok(Response::new(GetNodeRulesetResponse {
             generation: desired.version,
             nft: splitproxy_proto::render::ruleset(&ruleset),
@@ -171,12 +170,18 @@ async fn session(
             ),
             Some(_) => None,
         };
-        let Some((frames, target)) = fanout.next_update(node, base.as_ref(), &desired) else {
-            tokio::select! {
-                r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
-                msg = inbound.next() => return unexpected(msg),
+        let (frames, target) = match fanout.next_update(node, base.as_ref(), &desired) {
+            Some(Next::Send(frames, target)) => (frames, target),
+            other => {
+                if let Some(Next::Current(held)) = other {
+                    base = Some(held);
+                }
+                tokio::select! {
+                    r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
+                    msg = inbound.next() => return unexpected(msg),
+                }
+                continue;
             }
-            continue;
         };
         let generation = frames.first().map(|f| f.generation).unwrap_or_default();
         let parts = frames.len();
@@ -205,8 +210,8 @@ async fn session(
                 ack.generation, generation
             )));
         }
-        if fanout.record_ack(node, &ack, (desired.version, target.clone())) {
-            base = Some((desired.version, target));
+        if fanout.record_ack(node, &ack, target.clone()) {
+            base = Some(target);
         } else {
             tracing::warn!(node, generation, error = %ack.error, "node failed to apply update; next is a snapshot");
             base = None;

@@ -8,6 +8,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
@@ -19,6 +20,7 @@ use crate::fanout::Fanout;
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::objects::{self, ObjectKey};
+use crate::overlay::Overlays;
 use crate::rules::{NodeView, RulesConfig};
 
 /// Boxed: watch events carry whole objects of very different sizes.
@@ -26,6 +28,7 @@ enum IndexEvent {
     Service(Box<Event<Service>>),
     Slice(Box<Event<EndpointSlice>>),
     Node(Box<Event<Node>>),
+    ServiceCidr(Box<Event<ServiceCIDR>>),
 }
 
 /// Watches Services, EndpointSlices and Nodes and keeps `fanout` published until the watches
@@ -57,6 +60,35 @@ pub async fn run(
         IndexEvent::Slice,
         fanout.metrics.clone(),
     );
+    // With --service-cidr the operator's ranges are authoritative. Without it the service
+    // CIDRs are the ServiceCIDR objects' (networking.k8s.io/v1), as kube-proxy's nftables mode
+    // reads them; an API server that does not serve them (before Kubernetes 1.33) must not hold
+    // the brain unsynced forever.
+    let cidr_api = Api::<ServiceCIDR>::all(client.clone());
+    let with_cidrs = config.service_cidrs.is_empty()
+        && match cidr_api
+            .list(&kube::api::ListParams::default().limit(1))
+            .await
+        {
+            Ok(_) => true,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                tracing::info!("the API server serves no ServiceCIDRs and --service-cidr is unset");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "listing ServiceCIDRs failed; watching them anyway");
+                true
+            }
+        };
+    if with_cidrs {
+        spawn_watch(
+            cidr_api,
+            wc.clone(),
+            tx.clone(),
+            IndexEvent::ServiceCidr,
+            fanout.metrics.clone(),
+        );
+    }
     spawn_watch(
         Api::<Node>::all(client),
         wc,
@@ -66,6 +98,9 @@ pub async fn run(
     );
 
     let mut state = IndexState::new(config, fanout.metrics.clone());
+    if !with_cidrs {
+        state.service_cidr_objects.done();
+    }
     let mut last_publish: Option<tokio::time::Instant> = None;
     while let Some(ev) = rx.recv().await {
         state.handle(ev);
@@ -157,15 +192,27 @@ impl<T> ListState<T> {
 
 struct IndexState {
     index: Index,
+    filter: objects::ServiceFilter,
     config: RulesConfig,
     metrics: Arc<Metrics>,
     services: ListState<(ObjectKey, Arc<objects::ServiceInfo>)>,
     slices: ListState<(ObjectKey, Arc<objects::SliceInfo>)>,
     nodes: ListState<objects::NodeInfo>,
+    service_cidr_objects: ListState<(String, Vec<ipnet::IpNet>)>,
+    /// CIDRs of the ServiceCIDR objects, by object name.
+    cidrs_by_object: HashMap<String, Vec<ipnet::IpNet>>,
+    /// `--service-cidr`.
+    flag_cidrs: Vec<ipnet::IpNet>,
     /// The desired state per node variant, maintained incrementally.
     desired: HashMap<NodeView, Desired>,
+    /// Each node's own elements, maintained incrementally.
+    overlays: Overlays,
+    /// The overlays as last published.
+    published_overlays: imbl::HashMap<String, Arc<Model>>,
     /// Services to recompute at the next publication.
     dirty: HashSet<ObjectKey>,
+    /// Nodes whose facts changed since the last publication.
+    dirty_nodes: HashSet<String>,
     /// Recompute everything (after a list or relist completes).
     rebuild: bool,
     /// The distinct node views, derived from the Nodes; `None` after a Node change.
@@ -178,13 +225,23 @@ impl IndexState {
     fn new(config: RulesConfig, metrics: Arc<Metrics>) -> Self {
         IndexState {
             index: Index::default(),
-            config,
+            filter: objects::ServiceFilter {
+                service_cidrs: config.service_cidrs.clone(),
+                proxy_name: config.service_proxy_name.clone(),
+            },
+            config: config.clone(),
             metrics,
             services: ListState::default(),
             slices: ListState::default(),
             nodes: ListState::default(),
+            service_cidr_objects: ListState::default(),
+            cidrs_by_object: HashMap::new(),
+            flag_cidrs: config.service_cidrs.clone(),
             desired: HashMap::new(),
+            overlays: Overlays::new(config.clone()),
+            published_overlays: imbl::HashMap::new(),
             dirty: HashSet::new(),
+            dirty_nodes: HashSet::new(),
             rebuild: false,
             views: None,
             trigger_times: Vec::new(),
@@ -197,11 +254,12 @@ impl IndexState {
             IndexEvent::Service(ev) => self.service_event(*ev),
             IndexEvent::Slice(ev) => self.slice_event(*ev),
             IndexEvent::Node(ev) => self.node_event(*ev),
+            IndexEvent::ServiceCidr(ev) => self.service_cidr_event(*ev),
         }
     }
 
     fn service_event(&mut self, ev: Event<Service>) {
-        let cidrs = &self.config.service_cidrs;
+        let cidrs = &self.filter;
         match ev {
             Event::Init => self.services.init(),
             Event::InitApply(svc) => {
@@ -288,14 +346,22 @@ impl IndexState {
                 self.rebuild = true;
             }
             Event::Apply(n) => {
-                // No rule depends on Node objects yet (per-node views come with traffic
-                // policies), so a Node change publishes nothing.
+                // Nodes report status often; only a change of what the rules use (addresses,
+                // zone, pod CIDRs) recomputes anything.
                 let info = objects::node(&n);
+                if self.index.node(&info.name) == Some(&info) {
+                    return;
+                }
+                self.dirty_nodes.insert(info.name.clone());
+                self.changed(format!("Node {}", info.name), None);
                 self.index.apply_node(info.name.clone(), Some(info));
                 self.views = None;
             }
             Event::Delete(n) => {
-                self.index.apply_node(kube::ResourceExt::name_any(&n), None);
+                let name = kube::ResourceExt::name_any(&n);
+                self.index.apply_node(name.clone(), None);
+                self.dirty_nodes.insert(name.clone());
+                self.changed(format!("Node {name}"), None);
                 self.views = None;
             }
         }
@@ -332,9 +398,75 @@ impl IndexState {
         }
     }
 
+    fn service_cidr_event(&mut self, ev: Event<ServiceCIDR>) {
+        let reduce = |o: &ServiceCIDR| {
+            let cidrs = o
+                .spec
+                .as_ref()
+                .and_then(|s| s.cidrs.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.parse::<ipnet::IpNet>().ok())
+                .collect::<Vec<_>>();
+            (kube::ResourceExt::name_any(o), cidrs)
+        };
+        match ev {
+            Event::Init => self.service_cidr_objects.init(),
+            Event::InitApply(o) => {
+                if let Some(buf) = self.service_cidr_objects.buffer.as_mut() {
+                    buf.push(reduce(&o));
+                }
+            }
+            Event::InitDone => {
+                let all = self.service_cidr_objects.done();
+                self.cidrs_by_object = all.into_iter().collect();
+                self.apply_service_cidrs();
+            }
+            Event::Apply(o) => {
+                let (name, cidrs) = reduce(&o);
+                self.cidrs_by_object.insert(name, cidrs);
+                self.apply_service_cidrs();
+            }
+            Event::Delete(o) => {
+                self.cidrs_by_object
+                    .remove(&kube::ResourceExt::name_any(&o));
+                self.apply_service_cidrs();
+            }
+        }
+    }
+
+    /// The service CIDRs are `--service-cidr` plus every ServiceCIDR object's. When they change
+    /// (rare: a cluster growing its service range) every node's rules are rebuilt.
+    fn apply_service_cidrs(&mut self) {
+        let mut cidrs = self.flag_cidrs.clone();
+        for c in self.cidrs_by_object.values().flatten() {
+            if !cidrs.contains(c) {
+                cidrs.push(*c);
+            }
+        }
+        cidrs.sort();
+        if cidrs == self.config.service_cidrs {
+            return;
+        }
+        tracing::info!(?cidrs, "service CIDRs changed");
+        self.config.service_cidrs = cidrs.clone();
+        self.filter.service_cidrs = cidrs;
+        self.desired.clear();
+        self.overlays = Overlays::new(self.config.clone());
+        self.published_overlays = imbl::HashMap::new();
+        self.views = None;
+        self.rebuild = true;
+    }
+
     fn synced(&self) -> bool {
-        let all = self.services.synced && self.slices.synced && self.nodes.synced;
-        all && !self.services.relisting() && !self.slices.relisting() && !self.nodes.relisting()
+        let all = self.services.synced
+            && self.slices.synced
+            && self.nodes.synced
+            && self.service_cidr_objects.synced;
+        all && !self.services.relisting()
+            && !self.slices.relisting()
+            && !self.nodes.relisting()
+            && !self.service_cidr_objects.relisting()
     }
 
     /// Recomputes and publishes if anything changed; true when it did.
@@ -344,7 +476,7 @@ impl IndexState {
             tracing::warn!("relisting: holding the last complete state until the list is done");
             fanout.set_synced(false);
         }
-        if !synced || (!self.rebuild && self.dirty.is_empty()) {
+        if !synced || (!self.rebuild && self.dirty.is_empty() && self.dirty_nodes.is_empty()) {
             return false;
         }
         let start = Instant::now();
@@ -381,6 +513,28 @@ impl IndexState {
             };
             variants.insert(view, Arc::new(d.model().clone()));
         }
+        // Overlays extend the one shared variant (all nodes share a view today).
+        if let Some(d) = self.desired.get_mut(&NodeView::default()) {
+            if self.rebuild {
+                self.overlays.rebuild(&self.index, d);
+            } else {
+                self.overlays
+                    .update(&self.index, d, self.dirty.iter(), self.dirty_nodes.iter());
+            }
+            d.prune();
+            // Overlays may have created or dropped dynamic sets in the shared model.
+            variants.insert(NodeView::default(), Arc::new(d.model().clone()));
+            for (node, model) in self.overlays.changed_models() {
+                match model {
+                    Some(m) => {
+                        self.published_overlays.insert(node, m);
+                    }
+                    None => {
+                        self.published_overlays.remove(&node);
+                    }
+                }
+            }
+        }
         let took = start.elapsed();
         self.metrics.observe_compute(took);
         tracing::debug!(
@@ -390,9 +544,11 @@ impl IndexState {
             "recomputed desired state"
         );
         self.dirty.clear();
+        self.dirty_nodes.clear();
         self.rebuild = false;
         fanout.publish(
             variants,
+            self.published_overlays.clone(),
             std::mem::take(&mut self.trigger_times),
             std::mem::take(&mut self.objects),
         );

@@ -52,6 +52,7 @@ pub fn ct(key: CtKey, dreg: u32) -> Expr {
     e(Kind::Ct(Ct {
         key: key as i32,
         dreg,
+        ..Default::default()
     }))
 }
 
@@ -229,4 +230,131 @@ pub fn int(v: u32) -> Datum {
     Datum {
         value: Some(Value::U32(v)),
     }
+}
+
+/// `meta mark set mark | bit` (as `(mark & !bit) ^ bit`), through `reg`.
+pub fn mark_set_bit(bit: u32, reg: u32) -> Vec<Expr> {
+    vec![
+        meta(MetaKey::Mark, reg),
+        e(Kind::Bitwise(Bitwise {
+            sreg: reg,
+            dreg: reg,
+            mask: (!bit).to_ne_bytes().to_vec(),
+            xor: bit.to_ne_bytes().to_vec(),
+        })),
+        meta_set(MetaKey::Mark, reg),
+    ]
+}
+
+/// `meta mark & bit != 0` through `reg`.
+pub fn mark_has_bit(bit: u32, reg: u32) -> Vec<Expr> {
+    vec![
+        meta(MetaKey::Mark, reg),
+        bitwise(reg, reg, bit.to_ne_bytes().to_vec()),
+        cmp(CmpOp::Neq, reg, 0u32.to_ne_bytes().to_vec()),
+    ]
+}
+
+/// `meta mark set mark & !bit` through `reg`.
+pub fn mark_clear_bit(bit: u32, reg: u32) -> Vec<Expr> {
+    vec![
+        meta(MetaKey::Mark, reg),
+        bitwise(reg, reg, (!bit).to_ne_bytes().to_vec()),
+        meta_set(MetaKey::Mark, reg),
+    ]
+}
+
+pub fn meta_set(key: MetaKey, sreg: u32) -> Expr {
+    e(Kind::Meta(Meta {
+        key: key as i32,
+        dreg: 0,
+        set: true,
+        sreg,
+    }))
+}
+
+/// `fib saddr type local` (or `!= local` when `local` is false) through `reg`.
+pub fn fib_saddr_local(local: bool, reg: u32) -> Vec<Expr> {
+    const SADDR: u32 = 1;
+    const RTN_LOCAL: u32 = 2;
+    vec![
+        e(Kind::Fib(v1::Fib {
+            flags: SADDR,
+            result: v1::FibResult::Addrtype as i32,
+            dreg: reg,
+        })),
+        cmp(
+            if local { CmpOp::Eq } else { CmpOp::Neq },
+            reg,
+            RTN_LOCAL.to_ne_bytes().to_vec(),
+        ),
+    ]
+}
+
+/// `ip saddr PREFIX` (`!=` when `inside` is false) through `reg`.
+pub fn saddr_in(net: ipnet::IpNet, inside: bool, reg: u32) -> Vec<Expr> {
+    let (mask, addr) = match net {
+        ipnet::IpNet::V4(n) => (n.netmask().octets().to_vec(), n.network().octets().to_vec()),
+        ipnet::IpNet::V6(n) => (n.netmask().octets().to_vec(), n.network().octets().to_vec()),
+    };
+    vec![
+        saddr(net.addr().is_ipv6(), reg),
+        bitwise(reg, reg, mask),
+        cmp(if inside { CmpOp::Eq } else { CmpOp::Neq }, reg, addr),
+    ]
+}
+
+/// `iifname "PREFIX*"` (a prefix match) or, with `exact`, `iifname "NAME"`; negated when
+/// `equal` is false.
+pub fn iifname(name: &str, exact: bool, equal: bool, reg: u32) -> Vec<Expr> {
+    let mut data = name.as_bytes().to_vec();
+    if exact {
+        data.push(0);
+    }
+    vec![
+        meta(MetaKey::Iifname, reg),
+        cmp(if equal { CmpOp::Eq } else { CmpOp::Neq }, reg, data),
+    ]
+}
+
+/// A conntrack tuple field of the original direction.
+pub fn ct_original(key: CtKey, dreg: u32) -> Expr {
+    e(Kind::Ct(Ct {
+        key: key as i32,
+        dreg,
+        direction: v1::CtDirection::Original as i32,
+    }))
+}
+
+pub fn lookup_invert(set: &str, sreg: u32) -> Expr {
+    e(Kind::Lookup(Lookup {
+        set: set.into(),
+        sreg,
+        invert: true,
+        ..Default::default()
+    }))
+}
+
+/// `masquerade fully-random`.
+pub fn masquerade() -> Expr {
+    const FULLY_RANDOM: u32 = 16;
+    e(Kind::Masquerade(v1::Masquerade {
+        flags: FULLY_RANDOM,
+    }))
+}
+
+/// `update @set { key : data } timeout T` with key and data from registers.
+pub fn dynset_update(set: &str, sreg_key: u32, sreg_data: u32, timeout_ms: u64) -> Expr {
+    e(Kind::Dynset(v1::Dynset {
+        set: set.into(),
+        op: v1::DynsetOp::Update as i32,
+        sreg_key,
+        has_data: true,
+        sreg_data,
+        timeout_ms,
+    }))
+}
+
+pub fn accept() -> Expr {
+    verdict(VerdictCode::Accept, "")
 }
