@@ -66,9 +66,11 @@ impl Fleet {
         self.inner.status()
     }
 
-    /// Every node connected and holding the same applied state (one digest for all).
-    pub fn uniform(&self) -> Option<Vec<u8>> {
-        uniform_digest(&self.status(), self.size)
+    /// Every node connected and holding an applied state. Nodes hold different states (each
+    /// has its own NodePort addresses and local endpoints), so whether each holds the brain's
+    /// latest is asked of the brain (`ListNodes`), not read from the digests.
+    pub fn all_applied(&self) -> bool {
+        all_applied(&self.status(), self.size)
     }
 
     /// Drains the samples recorded since the last call into `into`.
@@ -104,13 +106,9 @@ impl Drop for Fleet {
     }
 }
 
-/// The single applied digest when every one of `size` nodes holds it.
-pub fn uniform_digest(st: &FleetStatus, size: usize) -> Option<Vec<u8>> {
-    if st.connected < size || st.digests.len() != 1 {
-        return None;
-    }
-    let (digest, count) = st.digests.iter().next()?;
-    (*count == size).then(|| digest.clone())
+/// Every one of `size` nodes connected and holding some applied state.
+pub fn all_applied(st: &FleetStatus, size: usize) -> bool {
+    st.connected >= size && st.digests.values().sum::<usize>() >= size
 }
 
 /// Network-programming latencies of one phase, from changes triggered at or after `since`.

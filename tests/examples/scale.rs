@@ -97,7 +97,10 @@ fn main() -> anyhow::Result<()> {
     let mut index = Index::default();
     for i in 0..s {
         let svc = service(i);
-        index.apply_service(ObjectKey::of(&svc), objects::service(&svc, &[], &metrics));
+        index.apply_service(
+            ObjectKey::of(&svc),
+            objects::service(&svc, &Default::default(), &metrics),
+        );
         let sl = slice(i, e, 0);
         index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
     }
@@ -164,7 +167,10 @@ fn main() -> anyhow::Result<()> {
         &format!("s{s}"),
         &mut |ix| {
             let svc = service(s);
-            ix.apply_service(ObjectKey::of(&svc), objects::service(&svc, &[], &metrics));
+            ix.apply_service(
+                ObjectKey::of(&svc),
+                objects::service(&svc, &Default::default(), &metrics),
+            );
             let sl = slice(s, e, 0);
             ix.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
         },

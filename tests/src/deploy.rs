@@ -20,8 +20,14 @@ pub fn brain_port_in_node(i: usize) -> u16 {
     9443 + i as u16
 }
 
-/// Where actuators serve /healthz, /readyz and /metrics inside their node namespace.
+/// Where actuators serve /healthz, /readyz and /metrics inside their node namespace (the
+/// address to reach them at from the node).
 pub const ACTUATOR_HEALTHZ: &str = "127.0.0.1:10256";
+
+/// What actuators bind for /healthz, /readyz and /metrics: every address of the node, both
+/// families, like kube-proxy's default `0.0.0.0:10256`, so that external clients can health
+/// check nodes as load balancers do.
+pub const ACTUATOR_HEALTHZ_BIND: &str = "[::]:10256";
 
 /// A brain process listening on host loopback.
 pub struct Brain {
@@ -31,10 +37,147 @@ pub struct Brain {
     pub tls: TlsFiles,
 }
 
-#[derive(Debug, Clone)]
+/// How a brain is started besides its certificates and API server.
+#[derive(Debug, Clone, Default)]
 pub struct BrainOptions {
+    /// `--service-cidr` (comma-joined); not passed when empty.
     pub service_cidrs: Vec<String>,
+    /// Further flags, appended last; see [`ProxyFlags::args`] for the kube-proxy-like ones.
     pub extra_args: Vec<String>,
+}
+
+impl BrainOptions {
+    /// Options with `--service-cidr` and the kube-proxy-like flags of `proxy`.
+    pub fn new(service_cidrs: &[String], proxy: &ProxyFlags) -> BrainOptions {
+        BrainOptions {
+            service_cidrs: service_cidrs.to_vec(),
+            extra_args: proxy.args(),
+        }
+    }
+}
+
+/// kube-proxy's `--detect-local-mode`: how the brain tells that a packet comes from a local pod.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum DetectLocalMode {
+    /// Source inside `--cluster-cidr`.
+    #[default]
+    #[serde(rename = "ClusterCIDR")]
+    ClusterCidr,
+    /// Source inside the node's `spec.podCIDRs`.
+    #[serde(rename = "NodeCIDR")]
+    NodeCidr,
+    /// Arrives on an interface named `--pod-interface-name-prefix*` (the lab's pod veths are
+    /// named [`crate::topology::POD_INTERFACE_PREFIX`]`<n>`).
+    InterfaceNamePrefix,
+    /// Arrives on bridge `--pod-bridge-interface` (the lab's is
+    /// [`crate::topology::POD_BRIDGE`] when pods are bridged).
+    BridgeInterface,
+    /// Nothing is local: all traffic to Services from outside is treated alike.
+    None,
+}
+
+impl DetectLocalMode {
+    /// The flag value, e.g. `ClusterCIDR`.
+    pub fn as_flag(&self) -> &'static str {
+        match self {
+            DetectLocalMode::ClusterCidr => "ClusterCIDR",
+            DetectLocalMode::NodeCidr => "NodeCIDR",
+            DetectLocalMode::InterfaceNamePrefix => "InterfaceNamePrefix",
+            DetectLocalMode::BridgeInterface => "BridgeInterface",
+            DetectLocalMode::None => "None",
+        }
+    }
+}
+
+impl std::fmt::Display for DetectLocalMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_flag())
+    }
+}
+
+impl std::str::FromStr for DetectLocalMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [
+            DetectLocalMode::ClusterCidr,
+            DetectLocalMode::NodeCidr,
+            DetectLocalMode::InterfaceNamePrefix,
+            DetectLocalMode::BridgeInterface,
+            DetectLocalMode::None,
+        ]
+        .into_iter()
+        .find(|m| m.as_flag().eq_ignore_ascii_case(s))
+        .ok_or_else(|| {
+            format!(
+                "unknown detect-local mode {s:?} (ClusterCIDR, NodeCIDR, InterfaceNamePrefix, BridgeInterface, None)"
+            )
+        })
+    }
+}
+
+/// The brain flags that mean what kube-proxy's flags of the same name mean. Empty values are not
+/// passed, so the brain's defaults apply.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProxyFlags {
+    /// `--cluster-cidr` (one per family).
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
+    /// `--detect-local-mode`; `None` leaves the brain's default.
+    pub detect_local_mode: Option<DetectLocalMode>,
+    /// `--pod-interface-name-prefix`.
+    pub pod_interface_name_prefix: String,
+    /// `--pod-bridge-interface`.
+    pub pod_bridge_interface: String,
+    /// `--nodeport-addresses`: `primary` or CIDRs.
+    pub nodeport_addresses: Vec<String>,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--service-proxy-name`.
+    pub service_proxy_name: String,
+}
+
+impl ProxyFlags {
+    /// The command-line flags.
+    pub fn args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        let join = |v: &[String]| v.join(",");
+        if !self.cluster_cidrs.is_empty() {
+            let cidrs: Vec<String> = self.cluster_cidrs.iter().map(ToString::to_string).collect();
+            args.extend(["--cluster-cidr".to_string(), join(&cidrs)]);
+        }
+        if let Some(mode) = self.detect_local_mode {
+            args.extend(["--detect-local-mode".to_string(), mode.to_string()]);
+        }
+        if !self.pod_interface_name_prefix.is_empty() {
+            args.extend([
+                "--pod-interface-name-prefix".to_string(),
+                self.pod_interface_name_prefix.clone(),
+            ]);
+        }
+        if !self.pod_bridge_interface.is_empty() {
+            args.extend([
+                "--pod-bridge-interface".to_string(),
+                self.pod_bridge_interface.clone(),
+            ]);
+        }
+        if !self.nodeport_addresses.is_empty() {
+            args.extend([
+                "--nodeport-addresses".to_string(),
+                join(&self.nodeport_addresses),
+            ]);
+        }
+        if self.masquerade_all {
+            args.push("--masquerade-all".to_string());
+        }
+        if !self.service_proxy_name.is_empty() {
+            args.extend([
+                "--service-proxy-name".to_string(),
+                self.service_proxy_name.clone(),
+            ]);
+        }
+        args
+    }
 }
 
 impl Brain {
@@ -158,9 +301,9 @@ impl Actuator {
             .arg("--tls-key")
             .arg(&tls.key)
             .arg("--healthz-bind-address")
-            .arg(ACTUATOR_HEALTHZ)
+            .arg(ACTUATOR_HEALTHZ_BIND)
             .arg("--metrics-bind-address")
-            .arg(ACTUATOR_HEALTHZ)
+            .arg(ACTUATOR_HEALTHZ_BIND)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -219,7 +362,7 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
 
 /// Decodes a `Transfer-Encoding: chunked` body (Go servers, such as kube-proxy's, send large
 /// responses that way even to HTTP/1.1 clients that close the connection).
-fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+pub(crate) fn dechunk(mut rest: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(rest.len());
     while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
         let line = String::from_utf8_lossy(&rest[..eol]);
@@ -282,6 +425,33 @@ pub async fn grpc_client(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_flags_render_as_brain_arguments() {
+        assert!(ProxyFlags::default().args().is_empty());
+        let flags = ProxyFlags {
+            cluster_cidrs: vec![
+                "10.244.0.0/16".parse().unwrap(),
+                "fd00:244::/48".parse().unwrap(),
+            ],
+            detect_local_mode: Some(DetectLocalMode::InterfaceNamePrefix),
+            pod_interface_name_prefix: "pod".into(),
+            pod_bridge_interface: String::new(),
+            nodeport_addresses: vec!["192.168.77.0/24".into(), "fd00:77::/64".into()],
+            masquerade_all: true,
+            service_proxy_name: "splitproxy".into(),
+        };
+        assert_eq!(
+            flags.args().join(" "),
+            "--cluster-cidr 10.244.0.0/16,fd00:244::/48 --detect-local-mode InterfaceNamePrefix \
+             --pod-interface-name-prefix pod --nodeport-addresses 192.168.77.0/24,fd00:77::/64 \
+             --masquerade-all --service-proxy-name splitproxy"
+        );
+        assert_eq!("clustercidr".parse(), Ok(DetectLocalMode::ClusterCidr));
+        assert!("Foo".parse::<DetectLocalMode>().is_err());
+    }
+
     #[test]
     fn dechunks_bodies() {
         assert_eq!(

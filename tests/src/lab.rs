@@ -1,37 +1,174 @@
-//! A whole splitproxy installation on one machine: etcd and kube-apiserver on loopback, node
-//! namespaces wired into a cluster network with Node objects, one or more brains, and an
-//! actuator per node. End-to-end tests and the `splitproxy-lab` command both build on it.
+//! A whole splitproxy installation on one machine: etcd and a dual-stack kube-apiserver on
+//! loopback, node namespaces wired into a dual-stack cluster network with Node objects, one or
+//! more brains, an actuator per node, and external clients. End-to-end tests and the
+//! `splitproxy-lab` command both build on it.
 //!
 //! Applying Kubernetes YAML also creates a pod (namespace + server) for every endpoint address of
-//! every EndpointSlice that falls in a node's pod CIDR, listening on the slice's ports, so a
-//! scenario is just a directory of objects.
+//! every EndpointSlice, on the node the endpoint names (or whose pod CIDR holds the address),
+//! listening on the slice's TCP and UDP ports; an endpoint address that is a node's own address
+//! (a host-network pod) gets a server in that node's namespace. So a scenario is just a
+//! directory of objects (see [`crate::scenario`]).
+//!
+//! ```no_run
+//! # async fn example() -> anyhow::Result<()> {
+//! use splitproxy_tests::lab::{Lab, LabOptions};
+//! use splitproxy_tests::deploy::DetectLocalMode;
+//! use splitproxy_tests::Proto;
+//!
+//! // In an integration test: LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab")).
+//! let mut opts = LabOptions::new("target/debug/splitproxy-lab");
+//! opts.nodes = 2;
+//! opts.proxy.detect_local_mode = Some(DetectLocalMode::InterfaceNamePrefix);
+//! let lab = Lab::start(opts).await?;
+//! lab.apply_path(std::path::Path::new("tests/lab/scenarios/nodeport-local")).await?;
+//! let client = lab.add_pod("node-1", "client", &[])?; // dual stack, addresses picked for it
+//! let r = lab.probe("external", Proto::Tcp, "192.168.77.10:30080".parse()?).await;
+//! println!("{} {:?} {:?}", r, r.endpoint(), r.source());
+//! let r = lab.probe("10.244.1.2", Proto::Udp, "[fd00:96::53]:53".parse()?).await;
+//! # Ok(()) }
+//! ```
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Namespace, Node as K8sNode, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 
 use crate::Result;
 use crate::certs::Pki;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
-use crate::deploy::{ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, http_get_in};
+use crate::deploy::{
+    ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, DetectLocalMode, ProxyFlags, http_get_in,
+};
+use crate::netns::Netns;
 use crate::podserver::PodServer;
+use crate::probe::{
+    HttpResult, ProbeResult, Proto, bind_addr, http_get_async, probe_repeat_bound_async,
+};
 use crate::process::wait_until;
-use crate::topology::{Cluster, ClusterSpec, Pod};
+use crate::topology::{
+    CLUSTER_CIDR, CLUSTER_CIDR6, Cluster, ClusterSpec, DEFAULT_SERVICE_CIDR, DEFAULT_SERVICE_CIDR6,
+    ExternalClient, POD_BRIDGE, POD_INTERFACE_PREFIX, Pod, PodNetwork,
+};
 
+/// The label kube-proxy reads a node's zone from.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// The default probe timeout of the `probe`/`http` helpers.
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// One node of the lab, as configured.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeSpec {
+    /// Node name (namespace label, Node object, actuator identity).
+    pub name: String,
+    /// `topology.kubernetes.io/zone` label of the Node object.
+    pub zone: Option<String>,
+    /// Extra addresses, added to the node's fabric interface and listed as InternalIPs of the
+    /// Node object after the fabric addresses (see [`Cluster::add_node_address`]).
+    pub addresses: Vec<IpNet>,
+    /// Further Node labels.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl NodeSpec {
+    /// A node called `name` with no zone and no extra addresses.
+    pub fn new(name: impl Into<String>) -> NodeSpec {
+        NodeSpec {
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    /// The same node in zone `zone`.
+    pub fn zone(mut self, zone: impl Into<String>) -> NodeSpec {
+        self.zone = Some(zone.into());
+        self
+    }
+}
+
+/// One external client of the lab.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExternalSpec {
+    /// Client name (for `--from`).
+    pub name: String,
+    /// Name of the node its default routes point to; the first node when `None`.
+    pub via: Option<String>,
+    /// Its fabric addresses (one per family); the next free 192.168.77.200+ and its IPv6 twin
+    /// when empty.
+    pub addresses: Vec<IpAddr>,
+}
+
+impl ExternalSpec {
+    /// A client called `name` with addresses picked for it, routed via the first node.
+    pub fn new(name: impl Into<String>) -> ExternalSpec {
+        ExternalSpec {
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+}
+
+/// A pod the lab creates when it starts (for example a client to probe from).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodSpec {
+    pub name: String,
+    /// Node name.
+    pub node: String,
+    /// At most one per family; empty: the next free IPv4 address of the node's pod CIDR and
+    /// its IPv6 twin.
+    pub addresses: Vec<IpAddr>,
+    /// Ports its server answers on.
+    pub tcp: Vec<u16>,
+    pub udp: Vec<u16>,
+}
+
+impl PodSpec {
+    /// A dual-stack pod `name` on node `node` with no open ports.
+    pub fn new(name: impl Into<String>, node: impl Into<String>) -> PodSpec {
+        PodSpec {
+            name: name.into(),
+            node: node.into(),
+            ..Default::default()
+        }
+    }
+}
+
+/// How [`Lab::start`] builds the lab.
 #[derive(Debug, Clone)]
 pub struct LabOptions {
     /// The multi-call binary (`splitproxy-lab`) that runs brains and actuators.
     pub exe: PathBuf,
+    /// Number of nodes named `node-0`, `node-1`, ... (ignored when `node_specs` is not empty).
     pub nodes: usize,
+    /// The nodes, when names, zones or extra addresses matter.
+    pub node_specs: Vec<NodeSpec>,
+    /// Brain replicas.
     pub brains: usize,
-    pub service_cidr: String,
-    /// Extra brain flags.
+    /// Service CIDRs: kube-apiserver's `--service-cluster-ip-range` (dual stack by default:
+    /// 10.96.0.0/16 and fd00:96::/112) and, unless `brain.service_cidrs` is set, the brain's
+    /// `--service-cidr`.
+    pub service_cidrs: Vec<String>,
+    /// The brain's kube-proxy-like flags. Default: `--cluster-cidr 10.244.0.0/16,fd00:244::/48
+    /// --detect-local-mode ClusterCIDR`. With `InterfaceNamePrefix` and no prefix, the lab's
+    /// `pod` prefix is passed; with `BridgeInterface` and no bridge, `cbr0` (and pods are
+    /// bridged).
+    pub proxy: ProxyFlags,
+    /// How pods are attached; `None`: bridged when `proxy.detect_local_mode` is
+    /// `BridgeInterface`, routed otherwise.
+    pub pod_network: Option<PodNetwork>,
+    /// External clients. Default: one named `external` (192.168.77.200, fd00:77::200) routed
+    /// via the first node.
+    pub external_clients: Vec<ExternalSpec>,
+    /// Pods created at start (before any object is applied).
+    pub pods: Vec<PodSpec>,
+    /// Brain overrides: `service_cidrs` (when not empty, instead of `service_cidrs` above) and
+    /// extra flags.
     pub brain: BrainOptions,
     /// Where logs and certificates go; a temporary directory when `None`.
     pub dir: Option<PathBuf>,
@@ -42,14 +179,70 @@ impl LabOptions {
         LabOptions {
             exe: exe.into(),
             nodes: 2,
+            node_specs: Vec::new(),
             brains: 1,
-            service_cidr: "10.96.0.0/16".into(),
-            brain: BrainOptions {
-                service_cidrs: vec!["10.96.0.0/16".into()],
-                extra_args: Vec::new(),
+            service_cidrs: vec![DEFAULT_SERVICE_CIDR.into(), DEFAULT_SERVICE_CIDR6.into()],
+            proxy: ProxyFlags {
+                cluster_cidrs: vec![
+                    CLUSTER_CIDR.parse().expect("constant CIDR"),
+                    CLUSTER_CIDR6.parse().expect("constant CIDR"),
+                ],
+                detect_local_mode: Some(DetectLocalMode::ClusterCidr),
+                ..Default::default()
             },
+            pod_network: None,
+            external_clients: vec![ExternalSpec::new("external")],
+            pods: Vec::new(),
+            brain: BrainOptions::default(),
             dir: None,
         }
+    }
+
+    /// The node specs in effect (`node_specs`, or `nodes` nodes named `node-<i>`).
+    pub fn effective_nodes(&self) -> Vec<NodeSpec> {
+        if self.node_specs.is_empty() {
+            (0..self.nodes)
+                .map(|i| NodeSpec::new(format!("node-{i}")))
+                .collect()
+        } else {
+            self.node_specs.clone()
+        }
+    }
+
+    /// The pod attachment in effect.
+    pub fn effective_pod_network(&self) -> PodNetwork {
+        self.pod_network.unwrap_or(
+            if self.proxy.detect_local_mode == Some(DetectLocalMode::BridgeInterface) {
+                PodNetwork::Bridge
+            } else {
+                PodNetwork::Routed
+            },
+        )
+    }
+
+    /// The brain's options in effect: service CIDRs and every flag.
+    pub fn effective_brain_options(&self) -> BrainOptions {
+        let mut proxy = self.proxy.clone();
+        match proxy.detect_local_mode {
+            Some(DetectLocalMode::InterfaceNamePrefix)
+                if proxy.pod_interface_name_prefix.is_empty() =>
+            {
+                proxy.pod_interface_name_prefix = POD_INTERFACE_PREFIX.into();
+            }
+            Some(DetectLocalMode::BridgeInterface) if proxy.pod_bridge_interface.is_empty() => {
+                proxy.pod_bridge_interface = POD_BRIDGE.into();
+            }
+            _ => {}
+        }
+        let service_cidrs = if self.brain.service_cidrs.is_empty() {
+            &self.service_cidrs
+        } else {
+            &self.brain.service_cidrs
+        };
+        let mut opts = BrainOptions::new(service_cidrs, &proxy);
+        opts.extra_args
+            .extend(self.brain.extra_args.iter().cloned());
+        opts
     }
 }
 
@@ -58,6 +251,51 @@ struct PodEntry {
     tcp: BTreeSet<u16>,
     udp: BTreeSet<u16>,
     server: Option<PodServer>,
+}
+
+/// A server in a node's namespace, for endpoints at a node's own address (host network).
+struct HostEntry {
+    name: String,
+    tcp: BTreeSet<u16>,
+    udp: BTreeSet<u16>,
+    server: Option<PodServer>,
+}
+
+/// Where a probe starts.
+#[derive(Clone, Debug)]
+pub enum Origin {
+    Pod(Pod),
+    /// Node index.
+    Node(usize),
+    External(ExternalClient),
+}
+
+/// A resolved `--from`: the namespace to probe from and the source address to bind, if one was
+/// given.
+#[derive(Clone, Debug)]
+pub struct ProbeSource {
+    pub origin: Origin,
+    pub bind: Option<IpAddr>,
+}
+
+impl ProbeSource {
+    /// The namespace the probe runs in.
+    pub fn netns<'a>(&'a self, lab: &'a Lab) -> &'a Netns {
+        match &self.origin {
+            Origin::Pod(p) => p.netns(),
+            Origin::Node(i) => lab.cluster.node(*i).netns(),
+            Origin::External(e) => e.netns(),
+        }
+    }
+
+    /// "pod client", "node node-0", "external external".
+    pub fn describe(&self, lab: &Lab) -> String {
+        match &self.origin {
+            Origin::Pod(p) => format!("pod {}", p.name()),
+            Origin::Node(i) => format!("node {}", lab.cluster.node(*i).name()),
+            Origin::External(e) => format!("external {}", e.name()),
+        }
+    }
 }
 
 pub struct Lab {
@@ -70,9 +308,15 @@ pub struct Lab {
     pub actuators: Vec<Actuator>,
     /// A client certificate for operators (grpcurl) and tests.
     pub operator_tls: crate::certs::TlsFiles,
+    node_specs: Vec<NodeSpec>,
     pods: Mutex<BTreeMap<String, PodEntry>>,
+    host_servers: Mutex<BTreeMap<usize, HostEntry>>,
     dir: PathBuf,
     _tmp: Option<tempfile::TempDir>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Lab {
@@ -89,12 +333,29 @@ impl Lab {
                 (t.path().to_path_buf(), Some(t))
             }
         };
+        let node_specs = opts.effective_nodes();
+        let service_cidrs: Vec<IpNet> = opts
+            .service_cidrs
+            .iter()
+            .map(|c| c.parse().with_context(|| format!("service CIDR {c:?}")))
+            .collect::<Result<_>>()?;
+        let spec = ClusterSpec::with_node_names(node_specs.iter().map(|n| n.name.clone()))
+            .service_cidrs(&service_cidrs)
+            .pod_network(opts.effective_pod_network());
+        // The network first: it fails fast (names, addresses) and needs no API server.
+        let cluster = Cluster::new(spec)?;
+        for (i, node) in node_specs.iter().enumerate() {
+            for addr in &node.addresses {
+                cluster
+                    .add_node_address(i, *addr)
+                    .with_context(|| format!("adding {addr} to node {}", node.name))?;
+            }
+        }
         let cp = ControlPlane::start(ControlPlaneOptions {
-            service_cluster_ip_range: opts.service_cidr.clone(),
+            service_cluster_ip_range: opts.service_cidrs.join(","),
             ..Default::default()
         })
         .await?;
-        let cluster = Cluster::new(ClusterSpec::new(opts.nodes))?;
         let pki = Pki::new("splitproxy-lab")?;
         let operator_tls = pki.write(&dir, "operator", &pki.client_cert("operator")?)?;
         let mut lab = Lab {
@@ -105,11 +366,27 @@ impl Lab {
             brain_addrs: Vec::new(),
             actuators: Vec::new(),
             operator_tls,
+            node_specs,
             pods: Mutex::new(BTreeMap::new()),
+            host_servers: Mutex::new(BTreeMap::new()),
             dir,
             _tmp: tmp,
             opts,
         };
+        for client in lab.opts.external_clients.clone() {
+            lab.add_external_client(&client)?;
+        }
+        for pod in lab.opts.pods.clone() {
+            let node = lab.node_index(&pod.node)?;
+            lab.ensure_pod_ips(
+                node,
+                &pod.name,
+                &pod.addresses,
+                &pod.tcp.iter().copied().collect(),
+                &pod.udp.iter().copied().collect(),
+            )
+            .with_context(|| format!("creating pod {}", pod.name))?;
+        }
         lab.create_node_objects().await?;
         for i in 0..lab.opts.brains {
             let brain = lab.spawn_brain(i, None)?;
@@ -136,6 +413,20 @@ impl Lab {
         &self.dir
     }
 
+    /// The nodes as configured (names, zones, extra addresses, labels).
+    pub fn node_specs(&self) -> &[NodeSpec] {
+        &self.node_specs
+    }
+
+    /// The index of the node named `name`.
+    pub fn node_index(&self, name: &str) -> Result<usize> {
+        self.cluster
+            .nodes()
+            .iter()
+            .position(|n| n.name() == name)
+            .with_context(|| format!("no node named {name:?}"))
+    }
+
     fn spawn_brain(&self, i: usize, addr: Option<SocketAddr>) -> Result<Brain> {
         Brain::start(
             &self.opts.exe,
@@ -144,7 +435,7 @@ impl Lab {
             &self.dir,
             &format!("brain-{i}"),
             addr,
-            &self.opts.brain,
+            &self.opts.effective_brain_options(),
         )
     }
 
@@ -235,57 +526,142 @@ impl Lab {
         Ok(())
     }
 
+    /// Waits (bounded by `timeout`) until a brain reports every node connected and holding its
+    /// latest desired state. Call it after changing objects: it first lets the brain see the
+    /// change and publish (a short pause longer than its minimum publish interval).
+    pub async fn wait_synced(&self, timeout: Duration) -> Result<()> {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let want: BTreeSet<String> = self
+            .cluster
+            .nodes()
+            .iter()
+            .map(|n| n.name().to_string())
+            .collect();
+        loop {
+            let mut synced = BTreeSet::new();
+            for (i, b) in self.brains.iter().enumerate() {
+                if b.is_none() {
+                    continue;
+                }
+                let Ok(mut client) = self.operator_client(i).await else {
+                    continue;
+                };
+                let Ok(resp) = client
+                    .list_nodes(splitproxy_proto::v1::ListNodesRequest {})
+                    .await
+                else {
+                    continue;
+                };
+                let resp = resp.into_inner();
+                if !resp.synced {
+                    continue;
+                }
+                synced.extend(
+                    resp.nodes
+                        .iter()
+                        .filter(|n| n.connected && n.in_sync)
+                        .map(|n| n.node.clone()),
+                );
+            }
+            if want.is_subset(&synced) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let missing: Vec<_> = want.difference(&synced).collect();
+                bail!("nodes not in sync after {timeout:?}: {missing:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// The actuator's /metrics text for node `i`.
     pub fn actuator_metrics(&self, i: usize) -> Result<String> {
         let ns = self.cluster.node(i).netns();
         Ok(http_get_in(ns, ACTUATOR_HEALTHZ.parse()?, "/metrics")?.1)
     }
 
-    async fn create_node_objects(&self) -> Result<()> {
-        let api: Api<K8sNode> = Api::all(self.cp.client());
-        for node in self.cluster.nodes() {
-            let obj: K8sNode = serde_json::from_value(serde_json::json!({
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": node.name(), "labels": {"kubernetes.io/hostname": node.name()}},
-                "spec": {"podCIDR": node.pod_cidr().to_string(), "podCIDRs": [node.pod_cidr().to_string()]},
-            }))?;
-            let created = api
-                .create(&Default::default(), &obj)
-                .await
-                .with_context(|| format!("creating Node {}", node.name()))?;
-            let mut status = created.clone();
-            status.status = Some(serde_json::from_value(serde_json::json!({
-                "addresses": [{"type": "InternalIP", "address": node.ip().to_string()},
-                              {"type": "Hostname", "address": node.name()}],
+    /// The Node object the lab writes for node `i`: hostname and zone labels, both pod CIDRs,
+    /// InternalIPs (IPv4 and IPv6 fabric addresses, then extra ones), Ready.
+    pub fn node_object(&self, i: usize) -> serde_json::Value {
+        let node = self.cluster.node(i);
+        let spec = self.node_specs.get(i).cloned().unwrap_or_default();
+        let mut labels = serde_json::Map::new();
+        labels.insert("kubernetes.io/hostname".into(), node.name().into());
+        labels.insert("kubernetes.io/os".into(), "linux".into());
+        if let Some(zone) = &spec.zone {
+            labels.insert(ZONE_LABEL.into(), zone.clone().into());
+        }
+        for (k, v) in &spec.labels {
+            labels.insert(k.clone(), v.clone().into());
+        }
+        let mut addresses: Vec<serde_json::Value> = node
+            .ips()
+            .iter()
+            .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip.to_string()}))
+            .collect();
+        addresses.push(serde_json::json!({"type": "Hostname", "address": node.name()}));
+        let cidrs: Vec<String> = node.pod_cidrs().iter().map(ToString::to_string).collect();
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node.name(), "labels": labels},
+            "spec": {"podCIDR": cidrs[0], "podCIDRs": cidrs},
+            "status": {
+                "addresses": addresses,
                 "conditions": [{"type": "Ready", "status": "True"}],
-            }))?);
-            api.replace_status(node.name(), &Default::default(), &status)
+            },
+        })
+    }
+
+    async fn create_node_objects(&self) -> Result<()> {
+        for i in 0..self.cluster.nodes().len() {
+            let obj = self.node_object(i);
+            self.put_node(obj)
                 .await
-                .with_context(|| format!("setting status of Node {}", node.name()))?;
+                .with_context(|| format!("creating Node {}", self.cluster.node(i).name()))?;
         }
         Ok(())
     }
 
-    /// Applies every YAML file in `path` (a file or a directory, in name order) with server-side
-    /// apply, then makes sure a pod serves every endpoint address of the slices applied.
-    pub async fn apply_path(&self, path: &Path) -> Result<Vec<String>> {
-        let mut files = Vec::new();
-        if path.is_dir() {
-            for e in std::fs::read_dir(path)? {
-                let p = e?.path();
-                if matches!(
-                    p.extension().and_then(|x| x.to_str()),
-                    Some("yaml" | "yml" | "json")
-                ) {
-                    files.push(p);
-                }
+    /// Creates Node `value` or merges it into the existing one (objects merge key by key, any
+    /// other value replaces; `null` removes), status included.
+    async fn put_node(&self, value: serde_json::Value) -> Result<String> {
+        let api: Api<K8sNode> = Api::all(self.cp.client());
+        let name = value["metadata"]["name"]
+            .as_str()
+            .context("Node without metadata.name")?
+            .to_string();
+        let merged = match api.get_opt(&name).await? {
+            Some(existing) => {
+                let mut current = serde_json::to_value(&existing)?;
+                merge_json(&mut current, &value);
+                let node: K8sNode = serde_json::from_value(current.clone())?;
+                let replaced = api.replace(&name, &PostParams::default(), &node).await?;
+                let mut status = replaced;
+                status.status = node.status;
+                status
             }
-            files.sort();
-        } else {
-            files.push(path.to_path_buf());
-        }
+            None => {
+                let node: K8sNode = serde_json::from_value(value.clone())?;
+                let created = api.create(&PostParams::default(), &node).await?;
+                let mut status = created;
+                status.status = node.status;
+                status
+            }
+        };
+        api.replace_status(&name, &PostParams::default(), &merged)
+            .await
+            .with_context(|| format!("setting status of Node {name}"))?;
+        Ok(name)
+    }
+
+    /// Applies every YAML file in `path` (a file or a directory, in name order) with server-side
+    /// apply, then makes sure a pod serves every endpoint address of the slices applied. In a
+    /// directory, `lab.yaml` and `probes.yaml` (a scenario's lab configuration and probes) are
+    /// skipped.
+    pub async fn apply_path(&self, path: &Path) -> Result<Vec<String>> {
         let mut applied = Vec::new();
-        for f in files {
+        for f in crate::scenario::object_files(path)? {
             let text =
                 std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
             applied.extend(
@@ -298,12 +674,19 @@ impl Lab {
     }
 
     /// Applies the objects of a (multi-document) YAML text; returns "Kind ns/name" for each.
+    /// Supported kinds: Namespace, Service (with its status, e.g. LoadBalancer ingress IPs),
+    /// EndpointSlice (pods are created for their endpoints), Node (merged into the lab's Node of
+    /// that name, status included).
     pub async fn apply_yaml(&self, text: &str) -> Result<Vec<String>> {
         let client = self.cp.client();
         let pp = PatchParams::apply("splitproxy-lab").force();
         let mut out = Vec::new();
-        for doc in serde_yaml::Deserializer::from_str(text) {
-            let value = serde_json::Value::deserialize_yaml(doc)?;
+        // Parse everything first: the YAML parser must not live across an await (it is not
+        // Send), and a syntax error then applies nothing.
+        let docs = serde_yaml::Deserializer::from_str(text)
+            .map(serde_json::Value::deserialize_yaml)
+            .collect::<Result<Vec<_>>>()?;
+        for value in docs {
             if value.is_null() {
                 continue;
             }
@@ -321,16 +704,23 @@ impl Lab {
                     Api::<Namespace>::all(client.clone())
                         .patch(&name, &pp, &Patch::Apply(&value))
                         .await?;
+                    out.push(format!("{kind} {name}"));
+                    continue;
                 }
                 "Node" => {
-                    Api::<K8sNode>::all(client.clone())
-                        .patch(&name, &pp, &Patch::Apply(&value))
-                        .await?;
+                    self.put_node(value.clone()).await?;
+                    out.push(format!("{kind} {name}"));
+                    continue;
                 }
                 "Service" => {
-                    Api::<Service>::namespaced(client.clone(), &ns)
-                        .patch(&name, &pp, &Patch::Apply(&value))
-                        .await?;
+                    let api = Api::<Service>::namespaced(client.clone(), &ns);
+                    api.patch(&name, &pp, &Patch::Apply(&value)).await?;
+                    // Status (a LoadBalancer's ingress IPs) is a subresource of its own.
+                    if value.get("status").is_some_and(|s| !s.is_null()) {
+                        api.patch_status(&name, &pp, &Patch::Apply(&value))
+                            .await
+                            .with_context(|| format!("setting status of Service {ns}/{name}"))?;
+                    }
                 }
                 "EndpointSlice" => {
                     let s = Api::<EndpointSlice>::namespaced(client.clone(), &ns)
@@ -347,7 +737,7 @@ impl Lab {
         Ok(out)
     }
 
-    /// Deletes a namespaced object of a supported kind.
+    /// Deletes an object of a supported kind (`ns` is ignored for Nodes and Namespaces).
     pub async fn delete(&self, kind: &str, ns: &str, name: &str) -> Result<()> {
         let c = self.cp.client();
         let dp = DeleteParams::default();
@@ -358,13 +748,21 @@ impl Lab {
                     .delete(name, &dp)
                     .await?,
             ),
+            "Node" => drop(Api::<K8sNode>::all(c).delete(name, &dp).await?),
+            "Namespace" => drop(Api::<Namespace>::all(c).delete(name, &dp).await?),
             other => bail!("unsupported kind {other:?}"),
         }
         Ok(())
     }
 
-    /// A pod for every IPv4 endpoint address inside a node's pod CIDR, serving the slice's ports.
+    /// A pod for every endpoint address of `slice` (IPv4 or IPv6), on the node the endpoint
+    /// names (or, without `nodeName`, the node whose pod CIDRs hold the address), serving the
+    /// slice's TCP and UDP ports; a server in the node's namespace for an address of the node
+    /// itself. Endpoints on nodes the lab does not have are skipped.
     fn ensure_pods_for(&self, slice: &EndpointSlice) -> Result<()> {
+        if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+            return Ok(());
+        }
         let mut tcp = BTreeSet::new();
         let mut udp = BTreeSet::new();
         for p in slice.ports.iter().flatten() {
@@ -372,59 +770,115 @@ impl Lab {
                 continue;
             };
             match p.protocol.as_deref().unwrap_or("TCP") {
-                "UDP" => udp.insert(port),
-                _ => tcp.insert(port),
-            };
+                "UDP" => {
+                    udp.insert(port);
+                }
+                "TCP" => {
+                    tcp.insert(port);
+                }
+                _ => {} // SCTP: no server
+            }
         }
         for ep in slice.endpoints.iter().flatten() {
+            let named_node = match ep.node_name.as_deref() {
+                Some(n) => match self.cluster.node_by_name(n) {
+                    Some(node) => Some(node.index()),
+                    None => continue,
+                },
+                None => None,
+            };
+            let pod_name = ep.target_ref.as_ref().and_then(|r| r.name.clone());
             for addr in &ep.addresses {
-                let Ok(ip) = addr.parse::<Ipv4Addr>() else {
+                let Ok(ip) = addr.parse::<IpAddr>() else {
                     continue;
                 };
-                let Some(node) = self
-                    .cluster
-                    .nodes()
-                    .iter()
-                    .position(|n| n.pod_cidr().contains(&ip))
+                if let Some(node) = self.cluster.node_by_ip(ip) {
+                    let name = pod_name.clone().unwrap_or_else(|| node.name().to_string());
+                    self.ensure_host_server(node.index(), &name, &tcp, &udp)?;
+                    continue;
+                }
+                let Some(node) =
+                    named_node.or_else(|| self.cluster.node_for_pod_ip(ip).map(|n| n.index()))
                 else {
                     continue;
                 };
-                let name = ep
-                    .target_ref
-                    .as_ref()
-                    .and_then(|r| r.name.clone())
-                    .unwrap_or_else(|| format!("pod-{}", ip.to_string().replace('.', "-")));
-                self.ensure_pod(node, &name, ip, &tcp, &udp)?;
+                let name = pod_name
+                    .clone()
+                    .unwrap_or_else(|| format!("pod-{}", ip.to_string().replace(['.', ':'], "-")));
+                self.ensure_pod_ips(node, &name, &[ip], &tcp, &udp)?;
             }
         }
         Ok(())
     }
 
     /// Creates pod `name` on node `node` with `ip` if absent, and (re)starts its server so that
-    /// it listens on at least the given ports.
+    /// it listens on at least the given ports. A pod that already has `ip` is reused whatever
+    /// its name.
     pub fn ensure_pod(
         &self,
         node: usize,
         name: &str,
-        ip: Ipv4Addr,
+        ip: IpAddr,
         tcp: &BTreeSet<u16>,
         udp: &BTreeSet<u16>,
     ) -> Result<Pod> {
-        let mut pods = self.pods.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
-        let key = ip.to_string();
-        if !pods.contains_key(&key) {
-            let pod = self.cluster.add_pod_with_ip(node, name, ip)?;
-            pods.insert(
-                key.clone(),
-                PodEntry {
-                    pod,
-                    tcp: BTreeSet::new(),
-                    udp: BTreeSet::new(),
-                    server: None,
-                },
+        self.ensure_pod_ips(node, name, &[ip], tcp, udp)
+    }
+
+    /// Creates pod `name` on node `node` with addresses `ips` (one per family; empty: a
+    /// dual-stack pair picked from the node's pod CIDRs) if absent, adds any of `ips` it lacks,
+    /// and (re)starts its server so that it listens on at least the given ports (on every
+    /// address of both families).
+    pub fn ensure_pod_ips(
+        &self,
+        node: usize,
+        name: &str,
+        ips: &[IpAddr],
+        tcp: &BTreeSet<u16>,
+        udp: &BTreeSet<u16>,
+    ) -> Result<Pod> {
+        let mut pods = lock(&self.pods);
+        let key = match pods.get(name) {
+            Some(_) => name.to_string(),
+            None => match ips.iter().find_map(|ip| {
+                pods.iter()
+                    .find(|(_, e)| e.pod.has_ip(*ip))
+                    .map(|(k, _)| k.clone())
+            }) {
+                Some(existing) => existing,
+                None => {
+                    let pod = if ips.is_empty() {
+                        self.cluster.add_pod(node, name)?
+                    } else {
+                        self.cluster.add_pod_with_ips(node, name, ips)?
+                    };
+                    pods.insert(
+                        name.to_string(),
+                        PodEntry {
+                            pod,
+                            tcp: BTreeSet::new(),
+                            udp: BTreeSet::new(),
+                            server: None,
+                        },
+                    );
+                    name.to_string()
+                }
+            },
+        };
+        let e = pods.get_mut(&key).context("pod vanished")?;
+        if e.pod.node_index() != node {
+            bail!(
+                "pod {} runs on {}, not on {}",
+                e.pod.name(),
+                e.pod.node(),
+                self.cluster.node(node).name()
             );
         }
-        let e = pods.get_mut(&key).expect("inserted above");
+        for ip in ips {
+            if !e.pod.has_ip(*ip) {
+                self.cluster.add_pod_address(e.pod.name(), *ip)?;
+            }
+        }
         if e.server.is_none() || !tcp.is_subset(&e.tcp) || !udp.is_subset(&e.udp) {
             e.tcp.extend(tcp);
             e.udp.extend(udp);
@@ -436,19 +890,79 @@ impl Lab {
         Ok(e.pod.clone())
     }
 
+    /// Adds a pod on node `node` (by name) with addresses `ips` (empty: a dual-stack pair picked
+    /// for it) and no open ports: a client to probe from.
+    pub fn add_pod(&self, node: &str, name: &str, ips: &[IpAddr]) -> Result<Pod> {
+        let node = self.node_index(node)?;
+        self.ensure_pod_ips(node, name, ips, &BTreeSet::new(), &BTreeSet::new())
+    }
+
+    /// Starts (or widens) the server in node `node`'s own namespace, for endpoints at the node's
+    /// addresses (host-network pods). It answers with `name` (the first name given wins).
+    pub fn ensure_host_server(
+        &self,
+        node: usize,
+        name: &str,
+        tcp: &BTreeSet<u16>,
+        udp: &BTreeSet<u16>,
+    ) -> Result<()> {
+        let mut hosts = lock(&self.host_servers);
+        let e = hosts.entry(node).or_insert_with(|| HostEntry {
+            name: name.to_string(),
+            tcp: BTreeSet::new(),
+            udp: BTreeSet::new(),
+            server: None,
+        });
+        if e.server.is_none() || !tcp.is_subset(&e.tcp) || !udp.is_subset(&e.udp) {
+            e.tcp.extend(tcp);
+            e.udp.extend(udp);
+            e.server = None;
+            let t: Vec<u16> = e.tcp.iter().copied().collect();
+            let u: Vec<u16> = e.udp.iter().copied().collect();
+            e.server = Some(PodServer::start(
+                self.cluster.node(node).netns(),
+                &e.name,
+                &t,
+                &u,
+            )?);
+        }
+        Ok(())
+    }
+
+    /// The pod named `name`, if the lab made one.
+    pub fn pod(&self, name: &str) -> Option<Pod> {
+        lock(&self.pods).get(name).map(|e| e.pod.clone())
+    }
+
     /// The pod with address `ip`, if the lab made one.
     pub fn pod_by_ip(&self, ip: IpAddr) -> Option<Pod> {
-        self.pods
-            .lock()
-            .ok()?
-            .get(&ip.to_string())
+        lock(&self.pods)
+            .values()
+            .find(|e| e.pod.has_ip(ip))
             .map(|e| e.pod.clone())
+    }
+
+    /// Every pod the lab made, with the TCP and UDP ports it serves.
+    pub fn pods(&self) -> Vec<(Pod, Vec<u16>, Vec<u16>)> {
+        lock(&self.pods)
+            .values()
+            .map(|e| {
+                (
+                    e.pod.clone(),
+                    e.tcp.iter().copied().collect(),
+                    e.udp.iter().copied().collect(),
+                )
+            })
+            .collect()
     }
 
     /// Stops (or restarts) the server of the pod with address `ip`, keeping its namespace.
     pub fn set_pod_serving(&self, ip: IpAddr, serving: bool) -> Result<()> {
-        let mut pods = self.pods.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
-        let e = pods.get_mut(&ip.to_string()).context("no such pod")?;
+        let mut pods = lock(&self.pods);
+        let e = pods
+            .values_mut()
+            .find(|e| e.pod.has_ip(ip))
+            .context("no such pod")?;
         e.server = None;
         if serving {
             let t: Vec<u16> = e.tcp.iter().copied().collect();
@@ -456,6 +970,199 @@ impl Lab {
             e.server = Some(PodServer::start(e.pod.netns(), e.pod.name(), &t, &u)?);
         }
         Ok(())
+    }
+
+    /// Adds an external client.
+    pub fn add_external_client(&self, spec: &ExternalSpec) -> Result<ExternalClient> {
+        let via = match &spec.via {
+            Some(name) => self.node_index(name)?,
+            None => 0,
+        };
+        let ips = if spec.addresses.is_empty() {
+            let (v4, v6) = self.cluster.next_external_ips()?;
+            vec![IpAddr::V4(v4), IpAddr::V6(v6)]
+        } else {
+            spec.addresses.clone()
+        };
+        self.cluster.add_external_client_with(&spec.name, &ips, via)
+    }
+
+    /// The external client named `name`.
+    pub fn external(&self, name: &str) -> Option<ExternalClient> {
+        self.cluster.external_client(name)
+    }
+
+    /// Resolves a probe's `from`: a pod name, a node name, an external client name, or an
+    /// address (of a pod, a node, or an external client), in which case the probe binds it.
+    pub fn resolve(&self, from: &str) -> Result<ProbeSource> {
+        if let Ok(ip) = from.parse::<IpAddr>() {
+            let ip = ip.to_canonical();
+            let origin = if let Some(pod) = self.cluster.pod_by_ip(ip) {
+                Origin::Pod(pod)
+            } else if let Some(node) = self.cluster.node_by_ip(ip) {
+                Origin::Node(node.index())
+            } else if let Some(client) = self.cluster.external_client_by_ip(ip) {
+                Origin::External(client)
+            } else {
+                bail!("no pod, node or external client has address {ip}");
+            };
+            return Ok(ProbeSource {
+                origin,
+                bind: Some(ip),
+            });
+        }
+        let origin = if let Some(pod) = self.cluster.pod(from) {
+            Origin::Pod(pod)
+        } else if let Some(node) = self.cluster.node_by_name(from) {
+            Origin::Node(node.index())
+        } else if let Some(client) = self.cluster.external_client(from) {
+            Origin::External(client)
+        } else {
+            bail!("{from:?} is neither a pod, a node, an external client nor an address of one");
+        };
+        Ok(ProbeSource { origin, bind: None })
+    }
+
+    /// One probe from `from` (see [`Lab::resolve`]) to `dst` with the default timeout.
+    pub async fn probe(&self, from: &str, proto: Proto, dst: SocketAddr) -> ProbeResult {
+        self.probe_n(from, proto, dst, 1, PROBE_TIMEOUT)
+            .await
+            .pop()
+            .unwrap_or_else(|| ProbeResult::Error("no probe ran".into()))
+    }
+
+    /// `count` probes (new connections, one after the other) from `from` to `dst`.
+    pub async fn probe_n(
+        &self,
+        from: &str,
+        proto: Proto,
+        dst: SocketAddr,
+        count: usize,
+        timeout: Duration,
+    ) -> Vec<ProbeResult> {
+        self.probe_n_from_port(from, proto, dst, 0, count, timeout)
+            .await
+    }
+
+    /// One probe from `from` to `dst` from source port `port` (every probe of a 5-tuple test,
+    /// such as a conntrack test, uses the same one).
+    pub async fn probe_from_port(
+        &self,
+        from: &str,
+        proto: Proto,
+        dst: SocketAddr,
+        port: u16,
+    ) -> ProbeResult {
+        self.probe_n_from_port(from, proto, dst, port, 1, PROBE_TIMEOUT)
+            .await
+            .pop()
+            .unwrap_or_else(|| ProbeResult::Error("no probe ran".into()))
+    }
+
+    /// `count` probes from `from` to `dst` from source port `port` (0: a new one each time).
+    pub async fn probe_n_from_port(
+        &self,
+        from: &str,
+        proto: Proto,
+        dst: SocketAddr,
+        port: u16,
+        count: usize,
+        timeout: Duration,
+    ) -> Vec<ProbeResult> {
+        match self.resolve(from) {
+            Ok(src) => {
+                let bind = bind_addr(dst, src.bind, port);
+                probe_repeat_bound_async(src.netns(self), proto, dst, bind, timeout, count).await
+            }
+            Err(err) => vec![ProbeResult::Error(format!("{err:#}")); count.max(1)],
+        }
+    }
+
+    /// An HTTP GET of `url` (`http://IP:PORT/path`) from `from`.
+    pub async fn http_get(&self, from: &str, url: &str, timeout: Duration) -> HttpResult {
+        match self.resolve(from) {
+            Ok(src) => http_get_async(src.netns(self), src.bind, url, timeout).await,
+            Err(err) => HttpResult::Error(format!("{err:#}")),
+        }
+    }
+
+    /// The lab as JSON: API server, brains, nodes (addresses, pod CIDRs, zones), pods, external
+    /// clients, flags.
+    pub fn status(&self) -> serde_json::Value {
+        let brain_opts = self.opts.effective_brain_options();
+        serde_json::json!({
+            "kubeconfig": self.cp.kubeconfig_path(),
+            "apiserver": self.cp.url(),
+            "service_cidrs": self.opts.service_cidrs,
+            "brain_flags": brain_opts.extra_args,
+            "pod_network": self.opts.effective_pod_network(),
+            "pod_interface_prefix": POD_INTERFACE_PREFIX,
+            "brains": self.brains.iter().flatten().map(|b| serde_json::json!({
+                "grpc": b.grpc.to_string(),
+                "metrics": format!("http://{}/metrics", b.metrics),
+            })).collect::<Vec<_>>(),
+            "nodes": self.cluster.nodes().iter().enumerate().map(|(i, n)| serde_json::json!({
+                "name": n.name(),
+                "ips": n.ips().iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "pod_cidrs": n.pod_cidrs().iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "zone": self.node_specs.get(i).and_then(|s| s.zone.clone()),
+                "netns": n.netns().name(),
+            })).collect::<Vec<_>>(),
+            "pods": self.cluster.pods().iter().map(|p| {
+                let ports = lock(&self.pods).get(p.name()).map(|e| (
+                    e.tcp.iter().copied().collect::<Vec<_>>(),
+                    e.udp.iter().copied().collect::<Vec<_>>(),
+                ));
+                serde_json::json!({
+                    "name": p.name(),
+                    "ips": p.ips().iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    "node": p.node(),
+                    "veth": p.node_veth(),
+                    "tcp": ports.as_ref().map(|p| p.0.clone()),
+                    "udp": ports.as_ref().map(|p| p.1.clone()),
+                    "netns": p.netns().name(),
+                })
+            }).collect::<Vec<_>>(),
+            "host_servers": lock(&self.host_servers).iter().map(|(i, e)| serde_json::json!({
+                "node": self.cluster.node(*i).name(), "name": e.name,
+                "tcp": e.tcp, "udp": e.udp,
+            })).collect::<Vec<_>>(),
+            "external_clients": self.cluster.external_clients().iter().map(|e| serde_json::json!({
+                "name": e.name(),
+                "ips": e.ips().iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "via": self.cluster.node(e.via_node()).name(),
+                "netns": e.netns().name(),
+            })).collect::<Vec<_>>(),
+            "logs": self.dir(),
+        })
+    }
+}
+
+impl Drop for Lab {
+    /// Stops what runs inside the namespaces first (pod servers, actuators, brains), then the
+    /// control plane, then the network.
+    fn drop(&mut self) {
+        lock(&self.pods).clear();
+        lock(&self.host_servers).clear();
+        self.actuators.clear();
+        self.brains.clear();
+    }
+}
+
+/// JSON merge patch (RFC 7386): objects merge key by key, `null` removes a key, anything else
+/// replaces.
+pub fn merge_json(target: &mut serde_json::Value, patch: &serde_json::Value) {
+    match (target, patch) {
+        (serde_json::Value::Object(t), serde_json::Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge_json(t.entry(k.clone()).or_insert(serde_json::Value::Null), v);
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
     }
 }
 
@@ -468,5 +1175,65 @@ impl FromYamlDoc for serde_json::Value {
     fn deserialize_yaml(doc: serde_yaml::Deserializer<'_>) -> Result<Self> {
         use serde::Deserialize;
         Ok(serde_json::Value::deserialize(doc)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_like_a_json_merge_patch() {
+        let mut node = serde_json::json!({
+            "metadata": {"name": "n", "labels": {"a": "1", "b": "2"}},
+            "status": {"addresses": [{"type": "InternalIP", "address": "1.1.1.1"}]},
+        });
+        merge_json(
+            &mut node,
+            &serde_json::json!({
+                "metadata": {"labels": {"b": null, "c": "3"}},
+                "status": {"addresses": [{"type": "InternalIP", "address": "2.2.2.2"}]},
+            }),
+        );
+        assert_eq!(
+            node,
+            serde_json::json!({
+                "metadata": {"name": "n", "labels": {"a": "1", "c": "3"}},
+                "status": {"addresses": [{"type": "InternalIP", "address": "2.2.2.2"}]},
+            })
+        );
+    }
+
+    #[test]
+    fn options_render_brain_flags() {
+        let mut opts = LabOptions::new("/bin/true");
+        let args = opts.effective_brain_options();
+        assert_eq!(args.service_cidrs, ["10.96.0.0/16", "fd00:96::/112"]);
+        assert_eq!(
+            args.extra_args.join(" "),
+            "--cluster-cidr 10.244.0.0/16,fd00:244::/48 --detect-local-mode ClusterCIDR"
+        );
+        opts.proxy.detect_local_mode = Some(DetectLocalMode::InterfaceNamePrefix);
+        assert!(
+            opts.effective_brain_options()
+                .extra_args
+                .join(" ")
+                .contains("--pod-interface-name-prefix pod")
+        );
+        assert_eq!(opts.effective_pod_network(), PodNetwork::Routed);
+        opts.proxy.detect_local_mode = Some(DetectLocalMode::BridgeInterface);
+        assert!(
+            opts.effective_brain_options()
+                .extra_args
+                .join(" ")
+                .contains("--pod-bridge-interface cbr0")
+        );
+        assert_eq!(opts.effective_pod_network(), PodNetwork::Bridge);
+        opts.brain.service_cidrs = vec!["10.96.0.0/20".into()];
+        assert_eq!(
+            opts.effective_brain_options().service_cidrs,
+            ["10.96.0.0/20"]
+        );
+        assert_eq!(opts.effective_nodes().len(), 2);
     }
 }

@@ -8,9 +8,16 @@
 //! - [`tools`] finds the pinned third-party binaries (building them on demand),
 //! - [`controlplane`] runs etcd and kube-apiserver on loopback with throwaway state,
 //! - [`netns`] creates network namespaces and runs code or processes inside them,
-//! - [`topology`] wires namespaces into a small cluster network (fabric, nodes, pods, clients),
-//! - [`podserver`] runs the "who answered and whom did it see" server inside a pod,
-//! - [`probe`] sends one TCP or UDP request from a namespace and classifies the outcome,
+//! - [`topology`] wires namespaces into a small dual-stack cluster network (fabric, nodes,
+//!   pods, external clients),
+//! - [`podserver`] runs the "who answered, on which endpoint, and whom did it see" server
+//!   inside a pod,
+//! - [`probe`] sends one TCP or UDP request (or an HTTP GET) from a namespace and classifies the
+//!   outcome,
+//! - [`lab`] runs a whole installation (API server, brains, actuators, Node objects, pods for
+//!   EndpointSlices) and probes from pods, nodes, external clients or addresses,
+//! - [`scenario`] loads scenario directories (lab.yaml, Kubernetes YAML, probes.yaml) and
+//!   replays their probes,
 //! - [`certs`] issues the CA, server and client certificates for mTLS and the API server,
 //! - [`portfwd`] lets processes inside a namespace reach listeners on host loopback,
 //! - [`process`] keeps spawned processes from outliving the test and offers wait helpers.
@@ -31,6 +38,7 @@ pub mod podserver;
 pub mod portfwd;
 pub mod probe;
 pub mod process;
+pub mod scenario;
 pub mod tools;
 pub mod topology;
 
@@ -38,8 +46,8 @@ pub use controlplane::{ControlPlane, ControlPlaneOptions};
 pub use netns::Netns;
 pub use podserver::PodServer;
 pub use portfwd::{Forwarder, forward_port};
-pub use probe::{ProbeResult, Proto, probe, probe_async};
-pub use topology::{Cluster, ClusterSpec, ExternalClient, Node, Pod};
+pub use probe::{HttpResult, ProbeResult, Proto, http_get, probe, probe_async};
+pub use topology::{Cluster, ClusterSpec, ExternalClient, Node, Pod, PodNetwork};
 
 /// The result type used throughout the harness; errors carry their context chain.
 pub type Result<T, E = anyhow::Error> = std::result::Result<T, E>;

@@ -115,6 +115,36 @@ impl Netns {
         check_output(&out, || format!("ip -n {} {}", self.name, args.join(" ")))
     }
 
+    /// Runs several `ip` commands in this namespace with one `ip -n NAME -batch -` process (one
+    /// command per entry, without the leading `ip`; the address family follows from the
+    /// addresses). Stops at the first failing command and reports it.
+    pub fn ip_batch(&self, commands: &[String]) -> Result<()> {
+        use std::io::Write;
+        if commands.is_empty() {
+            return Ok(());
+        }
+        let mut child = Command::new("ip")
+            .args(["-n", &self.name, "-batch", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("running ip -batch")?;
+        let mut input = commands.join("\n");
+        input.push('\n');
+        child
+            .stdin
+            .take()
+            .context("ip -batch has no stdin")?
+            .write_all(input.as_bytes())
+            .context("writing to ip -batch")?;
+        let out = child.wait_with_output().context("waiting for ip -batch")?;
+        check_output(&out, || {
+            format!("ip -n {} -batch [{}]", self.name, commands.join("; "))
+        })
+        .map(drop)
+    }
+
     /// Sets a sysctl of this namespace, e.g. `sysctl("net/ipv4/ip_forward", "1")` or
     /// `sysctl("net.ipv4.ip_forward", "1")`. Only `net.*` keys are namespaced, so only those are
     /// accepted.

@@ -1,21 +1,38 @@
-//! The server every test pod runs: it tells who answered and which source address it saw.
+//! The server every test pod runs: it tells who answered, on which address, and whom it saw.
 //!
-//! Service tests need two facts per connection: which backend answered (load balancing,
-//! topology, traffic policies) and whether the client's source address survived (masquerade
-//! rules, `externalTrafficPolicy: Local`). The server answers each TCP connection and each UDP
-//! datagram with one line, `"<name> <peer_ip>:<peer_port>\n"`, which [`crate::probe`] parses.
+//! Service tests need three facts per connection: which backend answered (load balancing,
+//! topology, traffic policies), on which address and port the connection arrived (the endpoint
+//! a DNAT chose, for Services with several ports or families), and whether the client's source
+//! address survived (masquerade rules, `externalTrafficPolicy: Local`). The server answers each
+//! TCP connection and each UDP datagram with one line,
+//!
+//! ```text
+//! <name> <local_ip>:<local_port> <peer_ip>:<peer_port>\n
+//! ```
+//!
+//! (IPv6 addresses in brackets, `[fd00:244::11]:8080`), which [`crate::probe`] parses. IPv4 and
+//! IPv6 are served by separate sockets on the same port (the IPv6 one `IPV6_V6ONLY`), so every
+//! address is reported in its own family. UDP sockets read the destination of each datagram
+//! (`IP_PKTINFO` / `IPV6_PKTINFO`) and answer from exactly that address, as a DNATed reply must.
 //!
 //! Its sockets are created inside the pod's namespace and served by a private tokio runtime
 //! on a thread of its own, so it works from sync and async tests alike and never competes with
 //! the test's runtime (a blocking probe on a single-threaded test runtime cannot starve it).
 //! Dropping the server closes its sockets before `drop` returns.
 
-use std::net::{Ipv6Addr, SocketAddr};
+use std::io::{IoSlice, IoSliceMut};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use nix::sys::socket::{
+    AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+    SockaddrIn, SockaddrIn6, SockaddrStorage, bind, listen, recvmsg, sendmsg, setsockopt, socket,
+    sockopt,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::sync::oneshot;
 
 use crate::Result;
@@ -33,8 +50,8 @@ pub struct PodServer {
 
 impl PodServer {
     /// Starts a server named `name` inside `ns`, listening on every address of the namespace
-    /// (IPv4 and IPv6 when available) on the given TCP and UDP ports. Port 0 picks a free port;
-    /// see [`PodServer::tcp_addrs`] / [`PodServer::udp_addrs`].
+    /// (IPv4 and IPv6) on the given TCP and UDP ports. Port 0 picks a free port; see
+    /// [`PodServer::tcp_addrs`] / [`PodServer::udp_addrs`].
     pub fn start(
         ns: impl AsRef<Netns>,
         name: &str,
@@ -46,18 +63,20 @@ impl PodServer {
         let udp_ports = ports_udp.to_vec();
         let (tcp, udp) = ns
             .run(move || -> Result<_> {
-                let tcp = tcp_ports
-                    .iter()
-                    .map(|&port| bind_tcp(port))
-                    .collect::<Result<Vec<_>>>()?;
-                let udp = udp_ports
-                    .iter()
-                    .map(|&port| bind_udp(port))
-                    .collect::<Result<Vec<_>>>()?;
+                let mut tcp = Vec::new();
+                for &port in &tcp_ports {
+                    tcp.extend(bind_pair(SockType::Stream, port)?);
+                }
+                let mut udp = Vec::new();
+                for &port in &udp_ports {
+                    udp.extend(bind_pair(SockType::Datagram, port)?);
+                }
                 Ok((tcp, udp))
             })?
             .with_context(|| format!("binding pod server {name} in {}", ns.name()))?;
 
+        let tcp: Vec<std::net::TcpListener> = tcp.into_iter().map(Into::into).collect();
+        let udp: Vec<std::net::UdpSocket> = udp.into_iter().map(Into::into).collect();
         let tcp_addrs = tcp
             .iter()
             .map(std::net::TcpListener::local_addr)
@@ -95,12 +114,12 @@ impl PodServer {
         &self.name
     }
 
-    /// Local addresses of the TCP listeners (wildcard address, actual port).
+    /// Local addresses of the TCP listeners (wildcard address of each family, actual port).
     pub fn tcp_addrs(&self) -> &[SocketAddr] {
         &self.tcp
     }
 
-    /// Local addresses of the UDP sockets (wildcard address, actual port).
+    /// Local addresses of the UDP sockets (wildcard address of each family, actual port).
     pub fn udp_addrs(&self) -> &[SocketAddr] {
         &self.udp
     }
@@ -117,27 +136,76 @@ impl Drop for PodServer {
     }
 }
 
-/// The line the server sends to `peer`.
-pub fn answer_line(name: &str, peer: SocketAddr) -> String {
-    let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-    format!("{name} {peer}\n")
+/// The line the server sends: `"<name> <local> <peer>\n"`, addresses in canonical form (an
+/// IPv4-mapped IPv6 address is printed as IPv4).
+pub fn answer_line(name: &str, local: SocketAddr, peer: SocketAddr) -> String {
+    let canon = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+    format!("{name} {} {}\n", canon(local), canon(peer))
 }
 
-/// Binds a dual-stack wildcard listener, falling back to IPv4 when IPv6 is unavailable.
-fn bind_tcp(port: u16) -> Result<std::net::TcpListener> {
-    let listener = std::net::TcpListener::bind((Ipv6Addr::UNSPECIFIED, port))
-        .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", port)))
-        .with_context(|| format!("binding TCP port {port}"))?;
-    listener.set_nonblocking(true)?;
-    Ok(listener)
+fn nix_err(what: &str) -> impl Fn(nix::Error) -> anyhow::Error + '_ {
+    move |e| anyhow::Error::from(std::io::Error::from(e)).context(what.to_string())
 }
 
-fn bind_udp(port: u16) -> Result<std::net::UdpSocket> {
-    let socket = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port))
-        .or_else(|_| std::net::UdpSocket::bind(("0.0.0.0", port)))
-        .with_context(|| format!("binding UDP port {port}"))?;
-    socket.set_nonblocking(true)?;
-    Ok(socket)
+/// Binds an IPv4 socket and an IPv6-only socket of type `ty` on `port` (the IPv6 one on the
+/// port the IPv4 one got when `port` is 0). Without IPv6 in the namespace, only the IPv4 one.
+fn bind_pair(ty: SockType, port: u16) -> Result<Vec<OwnedFd>> {
+    let v4 = bind_one(ty, SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))
+        .with_context(|| format!("binding {ty:?} port {port} (IPv4)"))?;
+    let port = match nix::sys::socket::getsockname::<SockaddrIn>(v4.as_raw_fd()) {
+        Ok(addr) => addr.port(),
+        Err(_) => port,
+    };
+    let mut out = vec![v4];
+    match bind_one(ty, SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))) {
+        Ok(v6) => out.push(v6),
+        Err(err) => {
+            let unsupported = err.chain().any(|e| {
+                e.downcast_ref::<std::io::Error>()
+                    .and_then(std::io::Error::raw_os_error)
+                    == Some(nix::libc::EAFNOSUPPORT)
+            });
+            if !unsupported {
+                return Err(err.context(format!("binding {ty:?} port {port} (IPv6)")));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn bind_one(ty: SockType, addr: SocketAddr) -> Result<OwnedFd> {
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
+    let fd = socket(
+        family,
+        ty,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(nix_err("socket"))?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(nix_err("SO_REUSEADDR"))?;
+    match addr {
+        SocketAddr::V4(a) => {
+            if ty == SockType::Datagram {
+                setsockopt(&fd, sockopt::Ipv4PacketInfo, &true).map_err(nix_err("IP_PKTINFO"))?;
+            }
+            bind(fd.as_raw_fd(), &SockaddrIn::from(a)).map_err(nix_err("bind"))?;
+        }
+        SocketAddr::V6(a) => {
+            setsockopt(&fd, sockopt::Ipv6V6Only, &true).map_err(nix_err("IPV6_V6ONLY"))?;
+            if ty == SockType::Datagram {
+                setsockopt(&fd, sockopt::Ipv6RecvPacketInfo, &true)
+                    .map_err(nix_err("IPV6_RECVPKTINFO"))?;
+            }
+            bind(fd.as_raw_fd(), &SockaddrIn6::from(a)).map_err(nix_err("bind"))?;
+        }
+    }
+    if ty == SockType::Stream {
+        listen(&fd, Backlog::new(256).map_err(nix_err("backlog"))?).map_err(nix_err("listen"))?;
+    }
+    Ok(fd)
 }
 
 async fn serve(
@@ -174,7 +242,10 @@ async fn serve_tcp(name: String, listener: tokio::net::TcpListener) {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let line = answer_line(&name, peer);
+        let Ok(local) = stream.local_addr() else {
+            continue;
+        };
+        let line = answer_line(&name, local, peer);
         tokio::spawn(async move {
             if stream.write_all(line.as_bytes()).await.is_err() {
                 return;
@@ -191,16 +262,140 @@ async fn serve_tcp(name: String, listener: tokio::net::TcpListener) {
     }
 }
 
+/// One received datagram: who sent it, and to which local address.
+struct Datagram {
+    peer: SocketAddr,
+    local: Option<IpAddr>,
+}
+
+fn recv_datagram(fd: i32, buf: &mut [u8]) -> std::io::Result<Datagram> {
+    let mut cmsg = nix::cmsg_space!(nix::libc::in6_pktinfo);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<SockaddrStorage>(fd, &mut iov, Some(&mut cmsg), MsgFlags::empty())?;
+    let peer = msg
+        .address
+        .and_then(|a| {
+            a.as_sockaddr_in()
+                .map(|s| SocketAddr::from(SocketAddrV4::from(*s)))
+                .or_else(|| {
+                    a.as_sockaddr_in6()
+                        .map(|s| SocketAddr::from(SocketAddrV6::from(*s)))
+                })
+        })
+        .ok_or_else(|| std::io::Error::other("datagram without a source address"))?;
+    let mut local = None;
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            match c {
+                ControlMessageOwned::Ipv4PacketInfo(info) => {
+                    local = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                        info.ipi_addr.s_addr,
+                    ))));
+                }
+                ControlMessageOwned::Ipv6PacketInfo(info) => {
+                    local = Some(IpAddr::V6(Ipv6Addr::from(info.ipi6_addr.s6_addr)));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(Datagram { peer, local })
+}
+
+/// Sends `data` to `peer` from source address `local` (when known).
+fn send_datagram(
+    fd: i32,
+    data: &[u8],
+    peer: SocketAddr,
+    local: Option<IpAddr>,
+) -> std::io::Result<()> {
+    let iov = [IoSlice::new(data)];
+    let dst = SockaddrStorage::from(peer);
+    match local {
+        Some(IpAddr::V4(src)) => {
+            let info = nix::libc::in_pktinfo {
+                ipi_ifindex: 0,
+                ipi_spec_dst: nix::libc::in_addr {
+                    s_addr: u32::from(src).to_be(),
+                },
+                ipi_addr: nix::libc::in_addr { s_addr: 0 },
+            };
+            sendmsg(
+                fd,
+                &iov,
+                &[ControlMessage::Ipv4PacketInfo(&info)],
+                MsgFlags::empty(),
+                Some(&dst),
+            )?;
+        }
+        Some(IpAddr::V6(src)) => {
+            let info = nix::libc::in6_pktinfo {
+                ipi6_addr: nix::libc::in6_addr {
+                    s6_addr: src.octets(),
+                },
+                ipi6_ifindex: 0,
+            };
+            sendmsg(
+                fd,
+                &iov,
+                &[ControlMessage::Ipv6PacketInfo(&info)],
+                MsgFlags::empty(),
+                Some(&dst),
+            )?;
+        }
+        None => {
+            sendmsg::<SockaddrStorage>(fd, &iov, &[], MsgFlags::empty(), Some(&dst))?;
+        }
+    }
+    Ok(())
+}
+
 async fn serve_udp(name: String, socket: tokio::net::UdpSocket) {
+    let fd = socket.as_raw_fd();
+    let port = socket.local_addr().map(|a| a.port()).unwrap_or(0);
     let mut buf = vec![0u8; 65536];
     loop {
-        let Ok((_, peer)) = socket.recv_from(&mut buf).await else {
+        let received = socket
+            .async_io(Interest::READABLE, || recv_datagram(fd, &mut buf))
+            .await;
+        let Ok(Datagram { peer, local }) = received else {
             // Errors concern one earlier datagram only; pause briefly so a persistent one
             // cannot spin the thread.
             tokio::time::sleep(Duration::from_millis(1)).await;
             continue;
         };
-        let line = answer_line(&name, peer);
-        let _ = socket.send_to(line.as_bytes(), peer).await;
+        let local_addr = SocketAddr::new(
+            local.unwrap_or(match peer {
+                SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            }),
+            port,
+        );
+        let line = answer_line(&name, local_addr, peer);
+        let _ = socket
+            .async_io(Interest::WRITABLE, || {
+                send_datagram(fd, line.as_bytes(), peer, local)
+            })
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answer_lines_use_canonical_addresses() {
+        let mapped: SocketAddr = "[::ffff:10.244.0.5]:8080".parse().unwrap();
+        let peer: SocketAddr = "[::ffff:10.244.1.7]:40000".parse().unwrap();
+        assert_eq!(
+            answer_line("web-0", mapped, peer),
+            "web-0 10.244.0.5:8080 10.244.1.7:40000\n"
+        );
+        let v6: SocketAddr = "[fd00:244::5]:80".parse().unwrap();
+        assert_eq!(
+            answer_line("a", v6, v6),
+            "a [fd00:244::5]:80 [fd00:244::5]:80\n"
+        );
     }
 }

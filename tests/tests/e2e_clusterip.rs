@@ -19,10 +19,10 @@ async fn answers(client: &Pod, proto: Proto, dst: SocketAddr, n: usize) -> BTree
     for _ in 0..n {
         let r = probe_async(client.netns(), proto, dst, None, TIMEOUT).await;
         let key = match &r {
-            ProbeResult::Answered { pod, seen_source } => {
+            ProbeResult::Answered { pod, source, .. } => {
                 assert_eq!(
-                    seen_source.ip(),
-                    std::net::IpAddr::from(client.ip()),
+                    source.ip(),
+                    client.ip(),
                     "pod-to-ClusterIP keeps the pod's source"
                 );
                 pod.clone()

@@ -171,8 +171,8 @@ fn pods_reach_each_other_directly() {
     let a = cluster.add_pod(0, "pod-a").unwrap();
     let b = cluster.add_pod(1, "pod-b").unwrap();
     let c = cluster.add_pod(0, "pod-c").unwrap();
-    assert!(cluster.node(0).pod_cidr().contains(&a.ip()));
-    assert!(cluster.node(1).pod_cidr().contains(&b.ip()));
+    assert!(cluster.node(0).pod_cidrs_contain(a.ip()));
+    assert!(cluster.node(1).pod_cidrs_contain(b.ip()));
     assert_ne!(a.ip(), c.ip());
 
     let _server_b = PodServer::start(&b, "pod-b", &[8080], &[5353]).unwrap();
@@ -185,7 +185,7 @@ fn pods_reach_each_other_directly() {
         (&c, 5353, Proto::Udp),
     ] {
         let result = probe(a.netns(), proto, addr(target.ip(), port), None, TIMEOUT);
-        assert_answered(&result, target.name(), a.ip().into());
+        assert_answered(&result, target.name(), a.ip());
     }
 
     // An explicit source address is used as given.
@@ -193,10 +193,10 @@ fn pods_reach_each_other_directly() {
         a.netns(),
         Proto::Tcp,
         addr(b.ip(), 8080),
-        Some(a.ip().into()),
+        Some(a.ip()),
         TIMEOUT,
     );
-    assert_answered(&result, "pod-b", a.ip().into());
+    assert_answered(&result, "pod-b", a.ip());
 
     // A node reaches a pod on another node with its node IP.
     let node0 = cluster.node(0);
@@ -215,8 +215,8 @@ async fn probe_async_does_not_block_the_runtime() {
         probe_async(a.netns(), Proto::Tcp, addr(b.ip(), 80), None, TIMEOUT),
         probe_async(a.netns(), Proto::Udp, addr(b.ip(), 80), None, TIMEOUT),
     );
-    assert_answered(&tcp, "b", a.ip().into());
-    assert_answered(&udp, "b", a.ip().into());
+    assert_answered(&tcp, "b", a.ip());
+    assert_answered(&udp, "b", a.ip());
 }
 
 #[test]
@@ -234,7 +234,7 @@ fn external_client_reaches_pods_through_a_node() {
     for pod in [&pod0, &pod1] {
         for (proto, port) in [(Proto::Tcp, 80), (Proto::Udp, 53)] {
             let result = probe(client.netns(), proto, addr(pod.ip(), port), None, TIMEOUT);
-            assert_answered(&result, pod.name(), client.ip().into());
+            assert_answered(&result, pod.name(), client.ip());
         }
     }
 
@@ -288,7 +288,7 @@ fn probe_to_unrouted_address_times_out_or_is_unreachable() {
     }
     // Serialisation for reports.
     let json = serde_json::to_value(&ProbeResult::TimedOut).unwrap();
-    assert_eq!(json["result"], "timed_out");
+    assert_eq!(json["result"], "dropped");
 }
 
 #[test]
@@ -587,4 +587,265 @@ fn building_a_cluster_leaves_host_interfaces_alone() {
         before,
         "the host namespace gained or lost interfaces"
     );
+}
+
+fn port_addr(ip: IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(ip, port)
+}
+
+/// Asserts an answer from `pod` at `endpoint` that saw `source` (ports of the source ignored).
+fn assert_endpoint(result: &ProbeResult, pod: &str, endpoint: SocketAddr, source: IpAddr) {
+    assert_answered(result, pod, source);
+    assert_eq!(result.endpoint(), Some(endpoint), "{result}");
+    assert_eq!(
+        result.client().map(|c| c.ip()),
+        Some(source),
+        "the probe reports its own address: {result}"
+    );
+}
+
+#[test]
+fn dual_stack_pods_nodes_and_clients_reach_each_other() {
+    use splitproxy_tests::topology::POD_INTERFACE_PREFIX;
+    let cluster = Cluster::new(ClusterSpec::new(2)).unwrap();
+    let a = cluster.add_pod(0, "a").unwrap();
+    let b = cluster.add_pod(1, "b").unwrap();
+    let (a4, a6) = (a.ip4().unwrap(), a.ip6().unwrap());
+    let (b4, b6) = (b.ip4().unwrap(), b.ip6().unwrap());
+    assert_eq!(
+        Some(a6),
+        splitproxy_tests::topology::twin6(a4),
+        "IPv6 twins the IPv4 address"
+    );
+    assert!(cluster.node(0).pod_cidr6().contains(&a6));
+    assert!(cluster.node(1).pod_cidr6().contains(&b6));
+    let cluster6: ipnet::Ipv6Net = splitproxy_tests::topology::CLUSTER_CIDR6.parse().unwrap();
+    assert!(cluster6.contains(&b6));
+    assert!(a.node_veth().starts_with(POD_INTERFACE_PREFIX) && a.node_veth().len() <= 15);
+
+    let _server = PodServer::start(&b, "b", &[8080], &[5353]).unwrap();
+    for (dst, src) in [(IpAddr::V4(b4), IpAddr::V4(a4)), (b6.into(), a6.into())] {
+        for (proto, port) in [(Proto::Tcp, 8080), (Proto::Udp, 5353)] {
+            let result = probe(a.netns(), proto, port_addr(dst, port), None, TIMEOUT);
+            assert_endpoint(&result, "b", port_addr(dst, port), src);
+            assert_eq!(result.source_preserved(), Some(true));
+        }
+    }
+
+    // A fixed source port, twice in a row (conntrack tests reuse a 5-tuple), both protocols.
+    for (proto, port) in [(Proto::Udp, 5353), (Proto::Tcp, 8080)] {
+        for _ in 0..2 {
+            let bind = port_addr(a6.into(), 40123);
+            let dst = port_addr(b6.into(), port);
+            let result = splitproxy_tests::probe::probe_bound(a.netns(), proto, dst, bind, TIMEOUT);
+            assert_eq!(result.source(), Some(bind), "{proto}: {result}");
+        }
+    }
+
+    // Nodes reach pods of other nodes over both families, with their fabric addresses.
+    let node0 = cluster.node(0);
+    let result = probe(
+        node0.netns(),
+        Proto::Tcp,
+        port_addr(b6.into(), 8080),
+        None,
+        TIMEOUT,
+    );
+    assert_endpoint(&result, "b", port_addr(b6.into(), 8080), node0.ip6().into());
+    let result = probe(
+        node0.netns(),
+        Proto::Udp,
+        port_addr(b4.into(), 5353),
+        None,
+        TIMEOUT,
+    );
+    assert_endpoint(&result, "b", port_addr(b4.into(), 5353), node0.ip().into());
+
+    // External clients have a twin IPv6 address and reach pods through their node.
+    let client = cluster
+        .add_external_client("ext", Ipv4Addr::new(192, 168, 77, 200))
+        .unwrap();
+    let ext6 = client.ip6().expect("twin IPv6 address");
+    assert_eq!(ext6, "fd00:77::200".parse::<std::net::Ipv6Addr>().unwrap());
+    let result = probe(
+        client.netns(),
+        Proto::Tcp,
+        port_addr(b6.into(), 8080),
+        None,
+        TIMEOUT,
+    );
+    assert_endpoint(&result, "b", port_addr(b6.into(), 8080), ext6.into());
+    let result = probe(
+        client.netns(),
+        Proto::Udp,
+        port_addr(b4.into(), 5353),
+        Some(client.ip()),
+        TIMEOUT,
+    );
+    assert_endpoint(&result, "b", port_addr(b4.into(), 5353), client.ip());
+
+    // Node IPv6 addresses are on the fabric: a closed port is refused at once.
+    let result = probe(
+        client.netns(),
+        Proto::Tcp,
+        port_addr(cluster.node(1).ip6().into(), 1),
+        None,
+        TIMEOUT,
+    );
+    assert_eq!(result, ProbeResult::Refused, "{result}");
+
+    // A single-stack IPv6 pod, and a second address added to a pod later.
+    let v6only = cluster
+        .add_pod_with_ip(0, "v6only", "fd00:244::77".parse::<IpAddr>().unwrap())
+        .unwrap();
+    assert_eq!(v6only.ip4(), None);
+    let _s = PodServer::start(&v6only, "v6only", &[80], &[]).unwrap();
+    let dst = port_addr("fd00:244::77".parse().unwrap(), 80);
+    assert_endpoint(
+        &probe(b.netns(), Proto::Tcp, dst, None, TIMEOUT),
+        "v6only",
+        dst,
+        b6.into(),
+    );
+    cluster
+        .add_pod_address("v6only", "10.244.0.77".parse().unwrap())
+        .unwrap();
+    let dst4 = port_addr("10.244.0.77".parse().unwrap(), 80);
+    assert_endpoint(
+        &probe(b.netns(), Proto::Tcp, dst4, None, TIMEOUT),
+        "v6only",
+        dst4,
+        b4.into(),
+    );
+    assert!(
+        cluster
+            .add_pod_address("v6only", "10.244.0.78".parse().unwrap())
+            .is_err(),
+        "one address per family"
+    );
+}
+
+#[test]
+fn bridged_pods_are_routed_by_their_node() {
+    use splitproxy_tests::topology::POD_BRIDGE;
+    let cluster =
+        Cluster::new(ClusterSpec::new(2).pod_network(splitproxy_tests::PodNetwork::Bridge))
+            .unwrap();
+    let a = cluster.add_pod(0, "a").unwrap();
+    let c = cluster.add_pod(0, "c").unwrap();
+    let b = cluster.add_pod(1, "b").unwrap();
+    let links = cluster
+        .node(0)
+        .netns()
+        .exec_ok(&["ip", "-o", "link", "show", "master", POD_BRIDGE])
+        .unwrap();
+    assert!(
+        links.contains(a.node_veth()) && links.contains(c.node_veth()),
+        "{links}"
+    );
+    let _sb = PodServer::start(&b, "b", &[80], &[53]).unwrap();
+    let _sc = PodServer::start(&c, "c", &[80], &[53]).unwrap();
+    for (target, name) in [(&b, "b"), (&c, "c")] {
+        for dst in target.ips() {
+            let src = a.ip_like(dst).unwrap();
+            for (proto, port) in [(Proto::Tcp, 80), (Proto::Udp, 53)] {
+                let result = probe(a.netns(), proto, port_addr(dst, port), None, TIMEOUT);
+                assert_endpoint(&result, name, port_addr(dst, port), src);
+            }
+        }
+    }
+}
+
+#[test]
+fn extra_node_addresses_and_off_cidr_pods_are_reachable() {
+    let cluster = Cluster::new(ClusterSpec::new(2)).unwrap();
+    // On the fabric, and routed to the node.
+    cluster
+        .add_node_address(1, "192.168.77.61/32".parse().unwrap())
+        .unwrap();
+    cluster
+        .add_node_address(1, "10.0.5.10/32".parse().unwrap())
+        .unwrap();
+    cluster
+        .add_node_address(1, "fd00:77::61/128".parse().unwrap())
+        .unwrap();
+    let node1 = cluster.node(1);
+    assert_eq!(node1.ips().len(), 5);
+    let client = cluster
+        .add_external_client("ext", Ipv4Addr::new(192, 168, 77, 200))
+        .unwrap();
+    // A server in the node's own namespace (a host-network endpoint) answers UDP from the
+    // address each datagram was sent to.
+    let _host = PodServer::start(node1, "host", &[9000], &[9000]).unwrap();
+    for ip in ["192.168.77.61", "10.0.5.10", "fd00:77::61", "192.168.77.11"] {
+        let dst = port_addr(ip.parse().unwrap(), 9000);
+        for proto in [Proto::Tcp, Proto::Udp] {
+            let result = probe(client.netns(), proto, dst, None, TIMEOUT);
+            assert_endpoint(&result, "host", dst, client.ip_like(dst.ip()).unwrap());
+        }
+    }
+
+    // A pod whose address lies outside its node's pod CIDRs is routed to it by the others.
+    let odd = cluster
+        .add_pod_with_ips(1, "odd", &["10.250.0.5".parse().unwrap()])
+        .unwrap();
+    let _s = PodServer::start(&odd, "odd", &[80], &[]).unwrap();
+    let a = cluster.add_pod(0, "a").unwrap();
+    let dst = port_addr(odd.ip(), 80);
+    assert_endpoint(
+        &probe(a.netns(), Proto::Tcp, dst, None, TIMEOUT),
+        "odd",
+        dst,
+        a.ip(),
+    );
+    assert_eq!(cluster.pod_by_ip(odd.ip()).unwrap().name(), "odd");
+    assert_eq!(
+        cluster
+            .node_by_ip("10.0.5.10".parse().unwrap())
+            .unwrap()
+            .index(),
+        1
+    );
+}
+
+#[test]
+fn http_get_reads_status_headers_and_body() {
+    let cluster = Cluster::new(ClusterSpec::new(1)).unwrap();
+    let server_pod = cluster.add_pod(0, "web").unwrap();
+    let client = cluster.add_pod(0, "client").unwrap();
+    let listener = server_pod
+        .netns()
+        .run(|| TcpListener::bind("[::]:8080"))
+        .unwrap()
+        .unwrap();
+    let server = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0u8; 1024];
+            let n = std::io::Read::read(&mut stream, &mut request).unwrap();
+            let request = String::from_utf8_lossy(&request[..n]).to_string();
+            let body = format!("{{\"path\":\"{}\"}}", request.split(' ').nth(1).unwrap());
+            let _ = write!(
+                stream,
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    for ip in server_pod.ips() {
+        let url = format!("http://{}/healthz", port_addr(ip, 8080));
+        let r = splitproxy_tests::http_get(client.netns(), None, &url, TIMEOUT);
+        let resp = r.response().unwrap_or_else(|| panic!("{url}: {r}"));
+        assert_eq!(resp.status, 503);
+        assert_eq!(resp.header("content-type"), Some("application/json"));
+        assert_eq!(resp.json().unwrap()["path"], "/healthz");
+    }
+    server.join().unwrap();
+    let r = splitproxy_tests::http_get(
+        client.netns(),
+        None,
+        &format!("http://{}/", port_addr(server_pod.ip(), 8081)),
+        TIMEOUT,
+    );
+    assert_eq!(r, splitproxy_tests::HttpResult::Refused);
 }

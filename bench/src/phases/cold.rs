@@ -71,9 +71,9 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
         }
         if let Some(f) = &b.rig.fleet {
             f.drain(&mut collector);
-            if out.fleet_in_sync_seconds.is_none() && f.uniform().is_some() {
+            if out.fleet_in_sync_seconds.is_none() && f.all_applied() {
                 out.fleet_in_sync_seconds = Some(elapsed);
-                println!("[bench]   every virtual node holds the same state after {elapsed:.2} s");
+                println!("[bench]   every virtual node applied its state after {elapsed:.2} s");
             }
         }
         let actuators_ready = out.actuators_ready_seconds.values().all(Option::is_some);

@@ -130,11 +130,7 @@ impl Bench {
         while Instant::now() < deadline {
             self.drain(run);
             let fleet_done = run.collector.nodes_at(last_write) >= virtual_nodes;
-            let fleet_uniform = self
-                .rig
-                .fleet
-                .as_ref()
-                .is_none_or(|f| f.uniform().is_some());
+            let fleet_applied = self.rig.fleet.as_ref().is_none_or(|f| f.all_applied());
             if let Ok(ln) = self.rig.list_nodes().await {
                 let listed = ln.desired_version > run.version && all_in_sync(&ln, expected);
                 // Fallback when a node's samples lack the last trigger time (a coalesced
@@ -146,7 +142,7 @@ impl Bench {
                         false
                     }
                 };
-                if listed && (fleet_done || (fleet_uniform && steady)) {
+                if listed && (fleet_done || (fleet_applied && steady)) {
                     run.version = ln.desired_version;
                     run.converged.push(Some(wrote.elapsed()));
                     self.drain(run);

@@ -3,6 +3,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::cli::UpArgs;
+use splitproxy_tests::probe::Proto;
+
 use crate::control::{self, Request, describe};
 
 /// The demo objects, shipped with the source.
@@ -23,12 +25,12 @@ pub fn run(state_dir: &Path, mut up: UpArgs) -> anyhow::Result<()> {
     let client = Request::AddPod {
         node: "node-0".into(),
         name: "client".into(),
-        ip: "10.244.0.100".parse()?,
+        ips: vec!["10.244.0.100".parse()?, "fd00:244::100".parse()?],
         tcp: vec![],
         udp: vec![],
     };
     control::call(state_dir, &client)?;
-    println!("created pod client (10.244.0.100) on node-0");
+    println!("created pod client (10.244.0.100, fd00:244::100) on node-0");
 
     // The rules reach every node within moments; wait for the first answer, bounded.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -93,6 +95,14 @@ pub fn run(state_dir: &Path, mut up: UpArgs) -> anyhow::Result<()> {
         "  {} --state-dir {sd} probe --from client 10.96.0.100:80 --count 5",
         exe.display()
     );
+    println!(
+        "  {} --state-dir {sd} probe --from external 10.96.0.100:80",
+        exe.display()
+    );
+    println!(
+        "  {} --state-dir {sd} http --from external http://192.168.77.10:10256/healthz",
+        exe.display()
+    );
     println!("  {} --state-dir {sd} apply DIR_OF_YAML", exe.display());
     println!("  {} --state-dir {sd} status", exe.display());
     println!("  {} --state-dir {sd} down", exe.display());
@@ -100,15 +110,20 @@ pub fn run(state_dir: &Path, mut up: UpArgs) -> anyhow::Result<()> {
         "  kubectl --kubeconfig {} get svc,endpointslices -A",
         status["kubeconfig"].as_str().unwrap_or_default()
     );
+    println!(
+        "\nScenarios to replay (up --scenario DIR --probe): {}",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/lab/scenarios/README.md")
+    );
     Ok(())
 }
 
 fn probe(dst: &str, udp: bool, count: usize) -> Request {
     Request::Probe {
         from: "client".into(),
-        udp,
+        protocol: if udp { Proto::Udp } else { Proto::Tcp },
         dst: dst.parse().expect("constant address"),
         count,
+        source_port: 0,
         timeout_ms: 1000,
     }
 }

@@ -1,9 +1,10 @@
 //! `splitproxy-lab`: a local splitproxy installation in network namespaces, scriptable.
 //!
 //! `up` starts etcd, kube-apiserver, brains and one actuator per node namespace and stays in the
-//! foreground as the lab's supervisor (or in the background with `--detach`); `apply`, `probe`,
-//! `status` and `down` talk to it over a Unix socket; `demo` brings a lab up with demo Services
-//! and shows traffic. `brain` and `actuator` run the real components (the same code as the
+//! foreground as the lab's supervisor (or in the background with `--detach`); with `--scenario
+//! DIR` it is configured by `DIR/lab.yaml`, applies DIR's objects and (`--probe`) runs
+//! `DIR/probes.yaml`. `apply`, `probe`, `http`, `replay`, `pod`, `external`, `status` and `down`
+//! talk to it over a Unix socket; `demo` brings a lab up with demo Services and shows traffic. `brain` and `actuator` run the real components (the same code as the
 //! `splitproxy-brain` and `splitproxy-actuator` binaries), so the lab and the tests spawn real
 //! processes from one binary.
 #![forbid(unsafe_code)]
@@ -30,6 +31,8 @@ fn main() -> anyhow::Result<()> {
         cli::Command::Demo(up) => demo::run(&cli.state_dir, up),
         cli::Command::Apply { path } => control::apply(&cli.state_dir, &path),
         cli::Command::Probe(p) => control::probe(&cli.state_dir, p),
+        cli::Command::Http(h) => control::http(&cli.state_dir, h),
+        cli::Command::Replay(r) => control::replay(&cli.state_dir, r),
         cli::Command::Pod {
             node,
             name,
@@ -37,22 +40,45 @@ fn main() -> anyhow::Result<()> {
             tcp,
             udp,
         } => {
-            control::call(
+            let v = control::call(
                 &cli.state_dir,
                 &control::Request::AddPod {
                     node,
                     name: name.clone(),
-                    ip,
+                    ips: ip,
                     tcp,
                     udp,
                 },
             )?;
-            println!("pod {name} ({ip}) is up");
+            println!("pod {name} ({}) is up", addresses(&v));
+            Ok(())
+        }
+        cli::Command::External { name, ip, via } => {
+            let v = control::call(
+                &cli.state_dir,
+                &control::Request::AddExternal {
+                    name: name.clone(),
+                    ips: ip,
+                    via,
+                },
+            )?;
+            println!("external client {name} ({}) is up", addresses(&v));
             Ok(())
         }
         cli::Command::Status => control::status(&cli.state_dir),
         cli::Command::Down => control::down(&cli.state_dir),
     }
+}
+
+/// "a, b" from an answer's `ips`.
+fn addresses(v: &serde_json::Value) -> String {
+    v["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {

@@ -1,21 +1,41 @@
 //! `up`: the lab's supervisor. It owns the whole lab (processes, namespaces, pods) and serves the
 //! control socket until `down`, SIGTERM or Ctrl-C, then tears everything down.
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use splitproxy_tests::lab::{Lab, LabOptions};
-use splitproxy_tests::probe::{ProbeResult, Proto, probe_async};
+use splitproxy_tests::lab::{ExternalSpec, Lab, LabOptions};
+use splitproxy_tests::scenario::{ReplayOptions, Scenario, load_probes};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 
 use crate::cli::UpArgs;
 use crate::control::{self, Request};
 
-pub fn up(state_dir: &Path, args: UpArgs) -> anyhow::Result<()> {
+pub fn up(state_dir: &Path, mut args: UpArgs) -> anyhow::Result<()> {
+    if let Some(dir) = &args.scenario {
+        args.scenario = Some(
+            std::fs::canonicalize(dir).with_context(|| format!("scenario {}", dir.display()))?,
+        );
+    }
     if args.detach {
-        return detach(state_dir, &args);
+        detach(state_dir, &args)?;
+        if args.probe {
+            let scenario = args.scenario.clone().context("--probe needs --scenario")?;
+            let v = control::call(
+                state_dir,
+                &Request::Replay {
+                    path: scenario,
+                    apply: false,
+                    settle_ms: 10_000,
+                },
+            )?;
+            control::print_reports(&v, args.json)?;
+        }
+        return Ok(());
     }
     std::fs::create_dir_all(state_dir)?;
     let sock = control::socket_path(state_dir);
@@ -39,16 +59,21 @@ fn detach(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(state_dir)?;
     let log = state_dir.join("lab.log");
     let out = std::fs::File::create(&log)?;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .arg("--state-dir")
-        .arg(state_dir)
-        .arg("up")
-        .arg("--nodes")
-        .arg(args.nodes.to_string())
-        .arg("--brains")
-        .arg(args.brains.to_string())
-        .arg("--service-cidr")
-        .arg(&args.service_cidr)
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.arg("--state-dir").arg(state_dir).arg("up");
+    if let Some(n) = args.nodes {
+        cmd.arg("--nodes").arg(n.to_string());
+    }
+    if let Some(b) = args.brains {
+        cmd.arg("--brains").arg(b.to_string());
+    }
+    if let Some(s) = &args.service_cidr {
+        cmd.arg("--service-cidr").arg(s);
+    }
+    if let Some(dir) = &args.scenario {
+        cmd.arg("--scenario").arg(dir);
+    }
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out)
@@ -76,187 +101,220 @@ fn detach(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
     )
 }
 
-use std::os::unix::process::CommandExt;
+/// Lab options from the command line and the scenario's lab.yaml (the command line wins).
+fn options(state_dir: &Path, args: &UpArgs) -> anyhow::Result<(LabOptions, Option<Scenario>)> {
+    let mut opts = LabOptions::new(std::env::current_exe()?);
+    opts.nodes = 3;
+    opts.dir = Some(state_dir.join("run"));
+    let scenario = match &args.scenario {
+        Some(dir) => Some(Scenario::load(dir)?),
+        None => None,
+    };
+    if let Some(s) = &scenario {
+        opts = s.lab_options(opts)?;
+    }
+    if let Some(n) = args.nodes {
+        opts.nodes = n;
+        opts.node_specs.clear();
+    }
+    if let Some(b) = args.brains {
+        opts.brains = b;
+    }
+    if let Some(s) = &args.service_cidr {
+        opts.service_cidrs = s.split(',').map(|c| c.trim().to_string()).collect();
+    }
+    Ok((opts, scenario))
+}
 
 async fn supervise(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
-    let mut opts = LabOptions::new(std::env::current_exe()?);
-    opts.nodes = args.nodes;
-    opts.brains = args.brains;
-    opts.service_cidr = args.service_cidr.clone();
-    opts.brain.service_cidrs = vec![args.service_cidr.clone()];
-    opts.dir = Some(state_dir.join("run"));
+    let (opts, scenario) = options(state_dir, args)?;
     eprintln!(
         "bringing up etcd, kube-apiserver, {} brain(s) and {} node(s) ...",
-        args.brains, args.nodes
+        opts.brains,
+        opts.effective_nodes().len()
     );
-    let lab = Lab::start(opts).await?;
+    let lab = Arc::new(Lab::start(opts).await?);
+    if let Some(s) = &scenario {
+        eprintln!("applying scenario {} ...", s.dir.display());
+        for applied in lab.apply_scenario(s).await? {
+            eprintln!("applied {applied}");
+        }
+        if args.probe {
+            let reports = lab.replay(&s.probes, &ReplayOptions::default()).await;
+            let v = serde_json::json!({"ok": true, "reports": reports});
+            if let Err(err) = control::print_reports(&v, args.json) {
+                eprintln!("{err:#}");
+            }
+        }
+    }
     let listener = UnixListener::bind(control::socket_path(state_dir))?;
     eprintln!("{}", serde_json::to_string_pretty(&status(&lab))?);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let (down_tx, mut down_rx) = tokio::sync::mpsc::channel::<()>(1);
     loop {
         tokio::select! {
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
+            _ = down_rx.recv() => break,
             conn = listener.accept() => {
                 let (stream, _) = conn?;
-                if handle(&lab, stream).await {
-                    break;
-                }
+                let lab = lab.clone();
+                let down = down_tx.clone();
+                tokio::spawn(async move {
+                    if handle(&lab, stream).await {
+                        let _ = down.send(()).await;
+                    }
+                });
             }
         }
     }
     eprintln!("tearing the lab down ...");
+    // Requests still running hold clones; give them a moment, then drop what is left.
+    for _ in 0..50 {
+        if Arc::strong_count(&lab) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     drop(lab);
     Ok(())
 }
 
+fn error(e: anyhow::Error) -> serde_json::Value {
+    serde_json::json!({"error": format!("{e:#}")})
+}
+
 /// Serves one request; true when the lab should go down.
 async fn handle(lab: &Lab, stream: tokio::net::UnixStream) -> bool {
-    let (r, w) = stream.into_split();
+    let (r, mut w) = stream.into_split();
     let mut line = String::new();
     if BufReader::new(r).read_line(&mut line).await.is_err() {
         return false;
     }
-    let (answer, down) = match serde_json::from_str::<Request>(&line) {
-        Err(e) => (
-            serde_json::json!({"error": format!("bad request: {e}")}),
-            false,
-        ),
-        Ok(Request::Down) => (serde_json::json!({"ok": true}), true),
-        Ok(Request::Status) => (status(lab), false),
-        Ok(Request::Apply { path }) => match lab.apply_path(&path).await {
-            Ok(applied) => (serde_json::json!({"ok": true, "applied": applied}), false),
-            Err(e) => (serde_json::json!({"error": format!("{e:#}")}), false),
-        },
-        Ok(Request::AddPod {
-            node,
-            name,
-            ip,
-            tcp,
-            udp,
-        }) => {
-            let Some(i) = lab.cluster.nodes().iter().position(|n| n.name() == node) else {
-                return reply(
-                    w,
-                    serde_json::json!({"error": format!("no node {node:?}")}),
-                    false,
-                )
-                .await;
-            };
-            match lab.ensure_pod(
-                i,
-                &name,
-                ip,
-                &tcp.into_iter().collect(),
-                &udp.into_iter().collect(),
-            ) {
-                Ok(_) => (serde_json::json!({"ok": true}), false),
-                Err(e) => (serde_json::json!({"error": format!("{e:#}")}), false),
-            }
+    let request = match serde_json::from_str::<Request>(&line) {
+        Ok(request) => request,
+        Err(e) => {
+            let answer = serde_json::json!({"error": format!("bad request: {e}")});
+            let _ = w.write_all(format!("{answer}\n").as_bytes()).await;
+            return false;
         }
-        Ok(Request::Probe {
-            from,
-            udp,
-            dst,
-            count,
-            timeout_ms,
-        }) => (probe(lab, &from, udp, dst, count, timeout_ms).await, false),
     };
-    reply(w, answer, down).await
-}
-
-async fn reply(
-    mut w: tokio::net::unix::OwnedWriteHalf,
-    answer: serde_json::Value,
-    down: bool,
-) -> bool {
-    let mut text = answer.to_string();
-    text.push('\n');
-    let _ = w.write_all(text.as_bytes()).await;
+    let down = matches!(request, Request::Down);
+    let answer = answer(lab, request).await.unwrap_or_else(error);
+    let _ = w.write_all(format!("{answer}\n").as_bytes()).await;
     down
 }
 
-async fn probe(
-    lab: &Lab,
-    from: &str,
-    udp: bool,
-    dst: std::net::SocketAddr,
-    count: usize,
-    timeout_ms: u64,
-) -> serde_json::Value {
-    let Some((origin, src)) = resolve(lab, from) else {
-        return serde_json::json!({"error": format!("{from:?} is neither a pod, a node nor an address of one")});
-    };
-    let ns = match &origin {
-        Origin::Pod(p) => p.netns(),
-        Origin::Node(i) => lab.cluster.node(*i).netns(),
-    };
-    let proto = if udp { Proto::Udp } else { Proto::Tcp };
-    let mut results = Vec::new();
-    for _ in 0..count.clamp(1, 1000) {
-        let r = probe_async(
-            ns,
-            proto,
-            dst,
-            src,
-            Duration::from_millis(timeout_ms.clamp(10, 30_000)),
-        )
-        .await;
-        results.push(flat(&r));
-    }
-    serde_json::json!({"ok": true, "results": results})
-}
-
-enum Origin {
-    Pod(splitproxy_tests::Pod),
-    Node(usize),
-}
-
-/// Where a probe starts from, by pod or node name or address, and the source address to bind.
-fn resolve(lab: &Lab, from: &str) -> Option<(Origin, Option<std::net::IpAddr>)> {
-    let ip: Option<std::net::IpAddr> = from.parse().ok();
-    if let Some(pod) = lab
-        .cluster
-        .pods()
-        .into_iter()
-        .find(|p| p.name() == from || ip == Some(p.ip().into()))
-    {
-        return Some((Origin::Pod(pod), ip));
-    }
-    let node = lab
-        .cluster
-        .nodes()
-        .iter()
-        .position(|n| n.name() == from || ip == Some(n.ip().into()))?;
-    Some((Origin::Node(node), ip))
-}
-
-pub fn flat(r: &ProbeResult) -> serde_json::Value {
-    match r {
-        ProbeResult::Answered { pod, seen_source } => {
-            serde_json::json!({"result": "answered", "pod": pod, "seen_source": seen_source.to_string()})
+async fn answer(lab: &Lab, request: Request) -> anyhow::Result<serde_json::Value> {
+    Ok(match request {
+        Request::Down => serde_json::json!({"ok": true}),
+        Request::Status => status(lab),
+        Request::Apply { path } => {
+            let applied = lab.apply_path(&path).await?;
+            serde_json::json!({"ok": true, "applied": applied})
         }
-        ProbeResult::Refused => serde_json::json!({"result": "refused"}),
-        ProbeResult::TimedOut => serde_json::json!({"result": "timed_out"}),
-        ProbeResult::Unreachable(d) => serde_json::json!({"result": "unreachable", "detail": d}),
-        ProbeResult::Error(d) => serde_json::json!({"result": "error", "detail": d}),
-    }
+        Request::AddPod {
+            node,
+            name,
+            ips,
+            tcp,
+            udp,
+        } => {
+            let i = lab.node_index(&node)?;
+            let pod = lab.ensure_pod_ips(
+                i,
+                &name,
+                &ips,
+                &tcp.into_iter().collect(),
+                &udp.into_iter().collect(),
+            )?;
+            serde_json::json!({"ok": true, "ips": pod.ips()})
+        }
+        Request::AddExternal { name, ips, via } => {
+            let client = lab.add_external_client(&ExternalSpec {
+                name,
+                via,
+                addresses: ips,
+            })?;
+            serde_json::json!({"ok": true, "ips": client.ips()})
+        }
+        Request::Probe {
+            from,
+            protocol,
+            dst,
+            count,
+            source_port,
+            timeout_ms,
+        } => {
+            // Resolve first, so that a typo is an error rather than N error results.
+            lab.resolve(&from)?;
+            let results = lab
+                .probe_n_from_port(
+                    &from,
+                    protocol,
+                    dst,
+                    source_port,
+                    count.clamp(1, 10_000),
+                    Duration::from_millis(timeout_ms.clamp(10, 60_000)),
+                )
+                .await;
+            serde_json::json!({"ok": true, "results": results})
+        }
+        Request::Http {
+            from,
+            url,
+            timeout_ms,
+        } => {
+            lab.resolve(&from)?;
+            let r = lab
+                .http_get(
+                    &from,
+                    &url,
+                    Duration::from_millis(timeout_ms.clamp(10, 60_000)),
+                )
+                .await;
+            serde_json::json!({"ok": true, "response": r.to_json_value()})
+        }
+        Request::Replay {
+            path,
+            apply,
+            settle_ms,
+        } => {
+            let probes = if path.is_dir() {
+                let scenario = Scenario::load(&path)?;
+                if apply {
+                    lab.apply_scenario(&scenario).await?;
+                }
+                scenario.probes
+            } else {
+                if apply {
+                    bail!("--apply needs a scenario directory, not a probes file");
+                }
+                load_probes(&path)?
+            };
+            let opts = ReplayOptions {
+                settle: Duration::from_millis(settle_ms),
+                ..Default::default()
+            };
+            let reports = lab.replay(&probes, &opts).await;
+            serde_json::json!({"ok": true, "reports": reports})
+        }
+    })
 }
 
 pub fn status(lab: &Lab) -> serde_json::Value {
-    let b = lab.brain(0);
-    let op = &lab.operator_tls;
-    serde_json::json!({
-        "kubeconfig": lab.cp.kubeconfig_path(),
-        "apiserver": lab.cp.url(),
-        "brains": lab.brains.iter().flatten().map(|b| serde_json::json!({"grpc": b.grpc.to_string(), "metrics": format!("http://{}/metrics", b.metrics)})).collect::<Vec<_>>(),
-        "nodes": lab.cluster.nodes().iter().map(|n| serde_json::json!({"name": n.name(), "ip": n.ip().to_string(), "pod_cidr": n.pod_cidr().to_string(), "netns": n.netns().name()})).collect::<Vec<_>>(),
-        "pods": lab.cluster.pods().iter().map(|p| serde_json::json!({"name": p.name(), "ip": p.ip().to_string(), "node": p.node(), "netns": p.netns().name()})).collect::<Vec<_>>(),
-        "logs": lab.dir(),
-        "grpcurl": format!(
+    let mut v = lab.status();
+    if let Some(b) = lab.brains.iter().flatten().next() {
+        let op = &lab.operator_tls;
+        v["grpcurl"] = format!(
             "{} -cacert {} -cert {} -key {} {} list",
             splitproxy_tests::tools::cached_path("grpcurl").display(),
-            op.ca.display(), op.cert.display(), op.key.display(), b.grpc
-        ),
-    })
+            op.ca.display(),
+            op.cert.display(),
+            op.key.display(),
+            b.grpc
+        )
+        .into();
+    }
+    v
 }
