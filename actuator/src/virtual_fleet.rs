@@ -2,9 +2,11 @@
 //! acking like an actuator, applying into an in-memory model instead of a kernel.
 //!
 //! Each virtual node has its own mTLS identity and stream, so the brain's fan-out is exercised
-//! exactly as with real nodes. What they share is the work a real node would repeat: nodes that
-//! reach the same state (same digest) share one model, and an update body is decoded only by
-//! the first node that needs it, so one machine can play 5,000 nodes.
+//! exactly as with real nodes. What they share is the work a real node would repeat. An update
+//! is the parts every node at the same base receives (identical bytes) followed by one part of
+//! the node's own; the shared parts are decoded and applied once, by the first node that needs
+//! them, into a model every node at that state shares, and each node keeps only its own part as
+//! a small overlay. So one machine can play 5,000 nodes.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,9 +16,7 @@ use bytes::{Buf, BufMut, Bytes};
 use prost::Message;
 use prost::encoding::{DecodeContext, WireType};
 use splitproxy_proto::model::Model;
-use splitproxy_proto::v1::{
-    self, Ack, Hello, Ruleset, RulesetDelta, SyncRequest, sync_request, update::Body,
-};
+use splitproxy_proto::v1::{self, Ack, Hello, Ruleset, RulesetDelta, SyncRequest, sync_request};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -62,8 +62,12 @@ pub struct VirtualFleet {
     bytes: AtomicU64,
     applied: Mutex<HashMap<String, Vec<u8>>>,
     samples: Mutex<Vec<Sample>>,
-    /// Models by digest, shared by every node that holds that state.
-    states: Mutex<HashMap<Vec<u8>, Arc<Model>>>,
+    /// Shared models by the identity of the parts that built them (see [`shared_key`]), so
+    /// an update's shared parts are decoded once.
+    states: Mutex<HashMap<u64, Arc<Model>>>,
+    /// Shared models by digest: nodes that reached the same state from different bases (a slow
+    /// node gets a larger, coalesced delta) hold one model, not one each.
+    by_digest: Mutex<HashMap<Vec<u8>, Arc<Model>>>,
     stop: AtomicBool,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -79,6 +83,7 @@ impl VirtualFleet {
             applied: Mutex::new(HashMap::new()),
             samples: Mutex::new(Vec::new()),
             states: Mutex::new(HashMap::new()),
+            by_digest: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
         });
@@ -181,7 +186,7 @@ impl VirtualFleet {
         let applied = held.as_ref().map(|h| v1::Applied {
             brain_epoch: h.epoch,
             generation: h.generation,
-            digest: h.model.digest(),
+            digest: h.model.digest_with(&h.overlay),
         });
         tx.send(SyncRequest {
             msg: Some(sync_request::Msg::Hello(Hello {
@@ -229,14 +234,16 @@ impl VirtualFleet {
     fn apply(&self, node: &str, env: Envelope, held: &mut Option<Held>) -> Ack {
         let start = Instant::now();
         self.bytes.fetch_add(env.wire_len as u64, Ordering::Relaxed);
-        let result = self.next_model(&env, held.as_ref());
+        let result = self.next_state(&env, held.as_ref());
         let took = start.elapsed();
         match result {
-            Ok(model) => {
+            Ok((key, model, overlay)) => {
                 *held = Some(Held {
                     epoch: env.brain_epoch,
                     generation: env.generation,
+                    key,
                     model,
+                    overlay,
                 });
                 self.updates.fetch_add(1, Ordering::Relaxed);
                 if let Ok(mut a) = self.applied.lock() {
@@ -271,21 +278,15 @@ impl VirtualFleet {
         }
     }
 
-    fn next_model(&self, env: &Envelope, held: Option<&Held>) -> Result<Arc<Model>, String> {
-        if let Some(m) = self
-            .states
-            .lock()
-            .ok()
-            .and_then(|s| s.get(&env.digest).cloned())
-        {
-            return Ok(m);
-        }
-        let model = if env.base_generation == 0 {
-            let Body::Snapshot(r) = env.body()? else {
-                return Err("snapshot expected".into());
-            };
-            Model::from_ruleset(&r)
-        } else {
+    /// The shared model after `env`'s shared parts (built once for every node at the same
+    /// base), and the node's own overlay after its last part.
+    fn next_state(
+        &self,
+        env: &Envelope,
+        held: Option<&Held>,
+    ) -> Result<(u64, Arc<Model>, Arc<Model>), String> {
+        let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
+        if env.base_generation != 0 {
             let h = held.ok_or("delta without a base")?;
             if h.epoch != env.brain_epoch || h.generation != env.base_generation {
                 return Err(format!(
@@ -293,25 +294,83 @@ impl VirtualFleet {
                     env.base_generation, h.generation
                 ));
             }
-            let Body::Delta(d) = env.body()? else {
-                return Err("delta expected".into());
-            };
-            let mut m = (*h.model).clone();
-            m.apply(&d);
-            m
+        }
+        let base = held.filter(|_| env.base_generation != 0);
+        let key = shared_key(base.map_or(0, |h| h.key), env.snapshot, shared);
+        let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
+        let model = match cached {
+            Some(m) => m,
+            None => {
+                let mut m = base.map(|h| (*h.model).clone()).unwrap_or_default();
+                for b in shared {
+                    apply_part(&mut m, env.snapshot, b)?;
+                }
+                let m = self.dedup(m);
+                if let Ok(mut s) = self.states.lock() {
+                    if s.len() > 64 {
+                        // Keep what some node holds: a model in both maps has two references
+                        // of theirs.
+                        s.retain(|_, m| Arc::strong_count(m) > 2);
+                        if let Ok(mut by) = self.by_digest.lock() {
+                            by.retain(|_, m| Arc::strong_count(m) > 1);
+                        }
+                    }
+                    s.insert(key, m.clone());
+                }
+                m
+            }
         };
-        if model.digest() != env.digest {
+        let mut overlay = base.map(|h| (*h.overlay).clone()).unwrap_or_default();
+        apply_part(&mut overlay, env.snapshot, own)?;
+        if model.digest_with(&overlay) != env.digest {
             return Err("digest after applying differs from the brain's".into());
         }
-        let model = Arc::new(model);
-        if let Ok(mut s) = self.states.lock() {
-            if s.len() > 64 {
-                s.retain(|_, m| Arc::strong_count(m) > 1);
-            }
-            s.insert(env.digest.clone(), model.clone());
-        }
-        Ok(model)
+        Ok((key, model, Arc::new(overlay)))
     }
+}
+
+impl VirtualFleet {
+    /// The shared model with `m`'s content: an existing one if some node holds it.
+    fn dedup(&self, m: Model) -> Arc<Model> {
+        let Ok(mut by) = self.by_digest.lock() else {
+            return Arc::new(m);
+        };
+        let digest = m.digest();
+        if let Some(existing) = by.get(&digest) {
+            return existing.clone();
+        }
+        let m = Arc::new(m);
+        by.insert(digest, m.clone());
+        m
+    }
+}
+
+/// Identifies a shared model by how it was reached: the base's identity and the bytes of the
+/// shared parts applied to it (every node at the same base gets the same bytes).
+fn shared_key(base: u64, snapshot: bool, parts: &[Bytes]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    base.hash(&mut h);
+    snapshot.hash(&mut h);
+    for p in parts {
+        p.hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Applies one encoded part (a snapshot part folds in as upserts).
+fn apply_part(model: &mut Model, snapshot: bool, bytes: &Bytes) -> Result<(), String> {
+    if snapshot {
+        let r = Ruleset::decode(bytes.clone()).map_err(|e| e.to_string())?;
+        model.apply(&RulesetDelta {
+            upsert: r.tables,
+            remove: Vec::new(),
+        });
+    } else {
+        let d = RulesetDelta::decode(bytes.clone()).map_err(|e| e.to_string())?;
+        model.apply(&d);
+    }
+    Ok(())
 }
 
 impl Drop for VirtualFleet {
@@ -323,7 +382,11 @@ impl Drop for VirtualFleet {
 struct Held {
     epoch: u64,
     generation: u64,
+    /// Identity of the shared model (see [`shared_key`]).
+    key: u64,
     model: Arc<Model>,
+    /// The node's own elements.
+    overlay: Arc<Model>,
 }
 
 /// An `Update` whose body stays encoded until someone needs it; the parts of a split update
@@ -349,22 +412,6 @@ impl Envelope {
         self.wire_len += next.wire_len;
         self.digest = next.digest;
         self.more = next.more;
-    }
-
-    fn body(&self) -> Result<Body, String> {
-        let parts = self
-            .bodies
-            .iter()
-            .map(|b| {
-                if self.snapshot {
-                    Ruleset::decode(b.clone()).map(Body::Snapshot)
-                } else {
-                    RulesetDelta::decode(b.clone()).map(Body::Delta)
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        splitproxy_proto::parts::join(parts).map_err(|e| e.to_string())
     }
 }
 

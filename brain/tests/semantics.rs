@@ -658,3 +658,62 @@ fn session_affinity_covers_node_ports() {
     ));
     assert!(has(&s, "affinity-services-10800", "10.96.0.72 . tcp . 80"));
 }
+
+/// Each `--detect-local-mode` (and `--masquerade-all`) decides which ClusterIP traffic is
+/// masqueraded and which external-policy rules apply to pods.
+#[test]
+fn detect_local_modes_render_their_conditions() {
+    let cases = [
+        (
+            rules::DetectLocalMode::ClusterCidr,
+            "",
+            "ip saddr != 10.244.0.0/16",
+        ),
+        (
+            rules::DetectLocalMode::NodeCidr,
+            "",
+            "ip saddr != @local-pod-cidrs",
+        ),
+        (
+            rules::DetectLocalMode::InterfaceNamePrefix,
+            "pod",
+            "iifname != \"pod*\"",
+        ),
+        (
+            rules::DetectLocalMode::BridgeInterface,
+            "cbr0",
+            "iifname != \"cbr0\"",
+        ),
+    ];
+    for (mode, iface, want) in cases {
+        let mut c = Cluster::new();
+        c.config.detect_local = mode;
+        c.config.pod_interface_name_prefix = iface.into();
+        c.config.pod_bridge_interface = iface.into();
+        let text = render::ruleset(&c.node("node-a"));
+        let masq = text
+            .lines()
+            .find(|l| l.contains("Masquerade traffic to ClusterIPs"))
+            .unwrap_or_else(|| panic!("{mode:?}: no ClusterIP masquerade rule"));
+        assert!(masq.contains(want), "{mode:?}: {masq}");
+        assert!(
+            text.lines()
+                .any(|l| l.contains("@external-local-ports-1") && l.contains(want)),
+            "{mode:?}: external-local rules must exclude pods"
+        );
+    }
+    // None: no ClusterIP masquerade (kube-proxy cannot tell pods), unless --masquerade-all.
+    let mut c = Cluster::new();
+    c.config.detect_local = rules::DetectLocalMode::None;
+    assert!(!render::ruleset(&c.node("node-a")).contains("Masquerade traffic to ClusterIPs"));
+    c.config.masquerade_all = true;
+    let text = render::ruleset(&c.node("node-a"));
+    let masq = text
+        .lines()
+        .find(|l| l.contains("Masquerade traffic to ClusterIPs"))
+        .expect("masquerade-all rule");
+    assert!(
+        masq.trim_start().starts_with("ip daddr @cluster-ips"),
+        "{masq}"
+    );
+}

@@ -1,8 +1,7 @@
 //! The lab as scenarios use it: a lab configured by a scenario's lab.yaml, dual-stack Node
 //! objects, pods made from IPv4 and IPv6 EndpointSlices, probes from pods, nodes, external
 //! clients and addresses, host-network endpoints, Node merges, HTTP to node health checks, and
-//! the replay of the scenario's ClusterIP probes. (Its NodePort probes test the brain's NodePort
-//! semantics; they are not asserted here.)
+//! the replay of every probe of the scenario (ClusterIPs and a Local-policy NodePort).
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
@@ -76,10 +75,14 @@ async fn a_scenario_lab_is_dual_stack_and_probes_from_anywhere() {
         .collect();
     assert_eq!(internal, ["192.168.77.10", "fd00:77::10"]);
 
-    // A Node in YAML merges into the lab's: labels add up, addresses are replaced.
+    // A Node in YAML merges into the lab's: labels add up, addresses are replaced (here by
+    // the same two plus an ExternalIP: the node's addresses are facts the rules use, and the
+    // scenario's NodePort probes below expect both primary addresses).
     lab.apply_yaml(
         "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-1\n  labels: {example.com/rack: r7}\n\
-         status:\n  addresses:\n  - {type: InternalIP, address: 192.168.77.11}\n",
+         status:\n  addresses:\n  - {type: InternalIP, address: 192.168.77.11}\n\
+         \x20 - {type: InternalIP, address: \"fd00:77::11\"}\n\
+         \x20 - {type: ExternalIP, address: 203.0.113.11}\n",
     )
     .await
     .unwrap();
@@ -95,7 +98,7 @@ async fn a_scenario_lab_is_dual_stack_and_probes_from_anywhere() {
             .map(String::as_str),
         Some("zone-b")
     );
-    assert_eq!(node1.status.unwrap().addresses.unwrap().len(), 1);
+    assert_eq!(node1.status.unwrap().addresses.unwrap().len(), 3);
 
     // Pods: web-0 from two slices has both addresses; the configured client exists.
     let web = lab.pod("web-0").expect("web-0 created from the slices");
@@ -124,22 +127,12 @@ async fn a_scenario_lab_is_dual_stack_and_probes_from_anywhere() {
     ));
     assert!(lab.resolve("10.9.9.9").is_err() && lab.resolve("nobody").is_err());
 
-    // The scenario's ClusterIP probes pass (pod to IPv4 and IPv6 ClusterIPs).
-    let service_cidrs: Vec<ipnet::IpNet> = lab
-        .opts
-        .service_cidrs
-        .iter()
-        .map(|c| c.parse().unwrap())
-        .collect();
-    let cluster_ip_probes: Vec<_> = scenario
-        .probes
-        .iter()
-        .filter(|p| service_cidrs.iter().any(|c| c.contains(&p.to.ip())))
-        .cloned()
-        .collect();
-    assert!(cluster_ip_probes.len() >= 3);
+    // Every probe of the scenario passes: ClusterIPs over both families, and its NodePort
+    // with externalTrafficPolicy Local (answered with the client's source on the node with the
+    // endpoint, dropped on the other, short-circuited for pods).
+    assert!(scenario.probes.len() >= 6);
     let reports = lab
-        .replay(&cluster_ip_probes, &ReplayOptions::default())
+        .replay(&scenario.probes, &ReplayOptions::default())
         .await;
     for r in &reports {
         assert_eq!(r.pass, Some(true), "{}", r.to_text());
@@ -219,5 +212,36 @@ async fn a_scenario_lab_is_dual_stack_and_probes_from_anywhere() {
     ] {
         let r = lab.http_get("external", url, Duration::from_secs(3)).await;
         assert_eq!(r.status(), Some(200), "{url}: {r}");
+    }
+}
+
+/// Every other scenario under `tests/lab/scenarios/` replays with all its expectations met, as
+/// `splitproxy-lab up --scenario DIR --probe` would report them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_scenario_replays() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("lab/scenarios");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("lab.yaml").exists() && !p.ends_with("nodeport-local"))
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no scenarios besides nodeport-local");
+    for dir in dirs {
+        let scenario = Scenario::load(&dir).expect("scenario loads");
+        let opts = scenario
+            .lab_options(LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab")))
+            .unwrap();
+        let lab = Lab::start(opts).await.expect("lab starts");
+        lab.apply_scenario(&scenario)
+            .await
+            .expect("scenario applies");
+        let reports = lab
+            .replay(&scenario.probes, &ReplayOptions::default())
+            .await;
+        assert!(!reports.is_empty(), "{}: no probes", dir.display());
+        for r in &reports {
+            assert_eq!(r.pass, Some(true), "{}: {}", dir.display(), r.to_text());
+        }
     }
 }
