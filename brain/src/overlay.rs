@@ -103,20 +103,10 @@ impl Overlays {
         nodes: impl Iterator<Item = &'a String>,
     ) {
         if desired.layout() != self.layout {
-            // A table appeared or went: recompute everything against the new layout.
+            // A table appeared or went: recompute everything against the new layout, giving
+            // back the dynamic sets the old overlays held.
             self.release_all(desired);
-            let names: Vec<String> = self.nodes.keys().cloned().collect();
-            self.changed.extend(names);
-            self.nodes.clear();
-            self.by_service.clear();
-            self.by_node_name.clear();
-            self.node_names_of.clear();
-            self.everywhere.clear();
-            self.layout = desired.layout();
-            let names: Vec<String> = index.nodes().map(|n| n.name.clone()).collect();
-            self.update_nodes(index, desired, names.iter());
-            let keys: Vec<ObjectKey> = index.services().map(|s| s.key.clone()).collect();
-            self.update_services(index, desired, keys.iter());
+            self.rebuild(index, desired);
             return;
         }
         let nodes: Vec<&String> = nodes.collect();
