@@ -9,6 +9,7 @@
 //! (per-count, per-timeout) they use are reference-counted here too, so a set exists exactly
 //! while some node or the shared state uses it.
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 use prost::Message;
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
@@ -16,6 +17,7 @@ use splitproxy_proto::v1::{RulesetDelta, Set};
 
 use crate::index::Index;
 use crate::objects::ObjectKey;
+use crate::rules::contribution::ServiceEndpoints;
 use crate::rules::{self, Contribution, DynSet, NodeView, RulesConfig, chains, contribution};
 
 /// A Service's contributions to the ip and ip6 tables.
@@ -36,6 +38,9 @@ pub struct Desired {
     v6_services: HashSet<ObjectKey>,
     /// Grows whenever a table appears or goes, so overlays know to recompute.
     layout: u64,
+    /// The endpoints computed by the last [`Desired::update`], handed to the overlays of the
+    /// same publication ([`Desired::take_endpoints`]) so a change computes them once.
+    computed: HashMap<ObjectKey, Arc<ServiceEndpoints>>,
 }
 
 impl Desired {
@@ -48,6 +53,7 @@ impl Desired {
             dyn_refs: BTreeMap::new(),
             v6_services: HashSet::new(),
             layout: 0,
+            computed: HashMap::new(),
         };
         d.reset();
         d
@@ -86,6 +92,7 @@ impl Desired {
         self.shares.clear();
         self.dyn_refs.clear();
         self.v6_services.clear();
+        self.computed.clear();
         self.layout += 1;
         self.add_skeleton(false);
         if rules::wants_ipv6(&self.config) {
@@ -114,7 +121,8 @@ impl Desired {
         for key in dirty {
             let new = match index.service(key) {
                 Some(svc) => {
-                    let eps = contribution::ServiceEndpoints::of(index, svc);
+                    let eps = Arc::new(ServiceEndpoints::of(index, svc));
+                    self.computed.insert(key.clone(), eps.clone());
                     ServiceShare {
                         v4: contribution::global(svc, &eps, false),
                         v6: contribution::global(svc, &eps, true),
@@ -143,6 +151,11 @@ impl Desired {
                 self.shares.insert(key.clone(), new);
             }
         }
+    }
+
+    /// The endpoints of the Services the last update computed, by Service.
+    pub fn take_endpoints(&mut self) -> HashMap<ObjectKey, Arc<ServiceEndpoints>> {
+        std::mem::take(&mut self.computed)
     }
 
     /// Removes the ip6 table when nothing needs it any more (after Services and overlays are

@@ -33,6 +33,19 @@ struct NodeOverlay {
     refs: HashMap<(bool, String, Box<[u8]>), usize>,
 }
 
+impl NodeOverlay {
+    /// Gives back the dynamic sets this overlay uses.
+    fn release(&self, desired: &mut Desired) {
+        for share in std::iter::once(&self.facts).chain(self.shares.values()) {
+            for (v6, c) in [(false, &share[0]), (true, &share[1])] {
+                for (d, _) in &c.dynamic {
+                    desired.release(v6, *d);
+                }
+            }
+        }
+    }
+}
+
 pub struct Overlays {
     config: RulesConfig,
     nodes: HashMap<String, NodeOverlay>,
@@ -48,6 +61,8 @@ pub struct Overlays {
     layout: u64,
     /// Nodes whose overlay changed since [`Overlays::take_changed`].
     changed: HashSet<String>,
+    /// Endpoints the shared state computed for this publication ([`Desired::take_endpoints`]).
+    computed: HashMap<ObjectKey, Arc<ServiceEndpoints>>,
 }
 
 impl Overlays {
@@ -61,16 +76,12 @@ impl Overlays {
             everywhere: HashSet::new(),
             layout: 0,
             changed: HashSet::new(),
+            computed: HashMap::new(),
         }
     }
 
     pub fn model(&self, node: &str) -> Option<&Model> {
         self.nodes.get(node).map(|n| &n.model)
-    }
-
-    /// Every node's overlay.
-    pub fn models(&self) -> impl Iterator<Item = (&String, &Model)> {
-        self.nodes.iter().map(|(k, n)| (k, &n.model))
     }
 
     /// Nodes whose overlay changed since the last call.
@@ -81,6 +92,7 @@ impl Overlays {
     /// Recomputes every overlay. `desired` was just rebuilt (its dynamic set counts start from
     /// the shared state alone), so nothing is released.
     pub fn rebuild(&mut self, index: &Index, desired: &mut Desired) {
+        self.computed = desired.take_endpoints();
         self.changed.extend(self.nodes.keys().cloned());
         self.nodes.clear();
         self.by_service.clear();
@@ -92,6 +104,7 @@ impl Overlays {
         self.update_nodes(index, desired, names.iter());
         let keys: Vec<ObjectKey> = index.services().map(|s| s.key.clone()).collect();
         self.update_services(index, desired, keys.iter());
+        self.computed.clear();
     }
 
     /// Brings overlays up to date after Services (`services`) and Nodes (`nodes`) changed.
@@ -109,20 +122,16 @@ impl Overlays {
             self.rebuild(index, desired);
             return;
         }
+        self.computed = desired.take_endpoints();
         let nodes: Vec<&String> = nodes.collect();
         self.update_nodes(index, desired, nodes.into_iter());
         self.update_services(index, desired, services);
+        self.computed.clear();
     }
 
     fn release_all(&mut self, desired: &mut Desired) {
         for n in self.nodes.values() {
-            for share in std::iter::once(&n.facts).chain(n.shares.values()) {
-                for (v6, c) in [(false, &share[0]), (true, &share[1])] {
-                    for (d, _) in &c.dynamic {
-                        desired.release(v6, *d);
-                    }
-                }
-            }
+            n.release(desired);
         }
     }
 
@@ -137,13 +146,7 @@ impl Overlays {
         for name in names {
             let Some(info) = index.node(name) else {
                 if let Some(gone) = self.nodes.remove(name) {
-                    for share in std::iter::once(&gone.facts).chain(gone.shares.values()) {
-                        for (v6, c) in [(false, &share[0]), (true, &share[1])] {
-                            for (d, _) in &c.dynamic {
-                                desired.release(v6, *d);
-                            }
-                        }
-                    }
+                    gone.release(desired);
                     for svc in gone.shares.keys() {
                         if let Some(s) = self.by_service.get_mut(svc) {
                             s.remove(name);
@@ -182,7 +185,11 @@ impl Overlays {
     ) {
         for key in keys {
             let svc = index.service(key);
-            let eps = svc.map(|s| ServiceEndpoints::of(index, s));
+            let eps = svc.map(|s| {
+                self.computed
+                    .remove(key)
+                    .unwrap_or_else(|| Arc::new(ServiceEndpoints::of(index, s)))
+            });
             // Which nodes' endpoints the Service names, for nodes that appear later.
             let names: HashSet<String> = eps
                 .iter()
@@ -214,10 +221,7 @@ impl Overlays {
                     .collect(),
                 None => BTreeSet::new(),
             };
-            if eps
-                .as_ref()
-                .is_some_and(ServiceEndpoints::topology_dependent)
-            {
+            if eps.as_ref().is_some_and(|e| e.topology_dependent()) {
                 self.everywhere.insert(key.clone());
             } else {
                 self.everywhere.remove(key);

@@ -1,10 +1,13 @@
 //! Updates whose body is encoded once and shared.
 //!
-//! Thousands of nodes standing at the same version get the same delta (or snapshot). Protobuf
-//! fields may be encoded in any order and concatenated, so an `Update` is written as the few
-//! per-node fields (epoch, generation, base generation) followed by the shared, pre-encoded
-//! rest (body, trigger times, objects, digest). The brain pays the encoding once per distinct
-//! update, and per node only the copy into the stream (invariant 4).
+//! Thousands of nodes standing at the same version get the same delta (or snapshot) of the
+//! shared ruleset. Protobuf fields may be encoded in any order and concatenated, so an `Update`
+//! is written as the few per-node fields (epoch, generation, base generation) followed by the
+//! shared, pre-encoded rest: the shared parts ([`encode_parts`]), then a last frame carrying the
+//! shared tail ([`encode_tail`]: trigger times, objects) and the node's own small part
+//! ([`encode_node_part`]: its overlay's change and the digest). The brain pays the shared
+//! encoding once per distinct update, and per node only its own part and the copy into the
+//! stream (invariant 4).
 use bytes::{Buf, BufMut, Bytes};
 use prost::Message;
 use prost::encoding::{DecodeContext, WireType};
@@ -17,42 +20,10 @@ pub struct UpdateFrame {
     pub brain_epoch: u64,
     pub generation: u64,
     pub base_generation: u64,
-    /// Fields 4 and up of `Update`, already encoded (see [`encode_shared`]).
+    /// Fields 4 and up of `Update`, already encoded (see [`encode_parts`], [`encode_tail`]).
     pub shared: Bytes,
     /// More such fields, written after `shared` (a node's own part of a shared update).
     pub extra: Bytes,
-}
-
-/// Encodes the fields every node at the same base shares: body, trigger times, objects,
-/// digest, split into parts of at most `max_elements` elements (see [`crate::parts`]). Each
-/// result is the `shared` of one frame; send them in order.
-pub fn encode_shared(
-    body: Body,
-    trigger_times: Vec<prost_types::Timestamp>,
-    objects: Vec<String>,
-    digest: Vec<u8>,
-    max_elements: usize,
-) -> Vec<Bytes> {
-    let parts = crate::parts::split(body, max_elements);
-    let last = parts.len().saturating_sub(1);
-    let mut tail = Some((trigger_times, objects, digest));
-    parts
-        .into_iter()
-        .enumerate()
-        .map(|(i, part)| {
-            let mut u = Update {
-                body: Some(part),
-                more: i < last,
-                ..Default::default()
-            };
-            if i == last
-                && let Some((t, o, d)) = tail.take()
-            {
-                (u.trigger_times, u.objects, u.digest) = (t, o, d);
-            }
-            Bytes::from(u.encode_to_vec())
-        })
-        .collect()
 }
 
 /// The shared parts of an update that a node-specific part completes: every part says `more`,
@@ -165,52 +136,44 @@ mod tests {
             }],
             remove: vec![],
         };
-        let mut shared = encode_shared(
-            Body::Delta(delta.clone()),
+        let frame = |shared: Bytes, extra: Bytes| UpdateFrame {
+            brain_epoch: 7,
+            generation: 9,
+            base_generation: 8,
+            shared,
+            extra,
+        };
+        let decode = |f: &UpdateFrame| {
+            let bytes = f.encode_to_vec();
+            assert_eq!(bytes.len(), f.encoded_len());
+            Update::decode(&bytes[..]).unwrap()
+        };
+        // A shared part: the body, more to follow, no tail.
+        let mut parts = encode_parts(Body::Delta(delta.clone()), 1000);
+        assert_eq!(parts.len(), 1);
+        let u = decode(&frame(parts.remove(0), Bytes::new()));
+        assert_eq!((u.brain_epoch, u.generation, u.base_generation), (7, 9, 8));
+        assert_eq!(u.body, Some(Body::Delta(delta.clone())));
+        assert!(u.more && u.trigger_times.is_empty() && u.digest.is_empty());
+        // The last frame: the shared tail and the node's own part.
+        let tail = encode_tail(
             vec![prost_types::Timestamp {
                 seconds: 5,
                 nanos: 6,
             }],
             vec!["EndpointSlice a/b".into()],
-            vec![1, 2, 3],
-            1000,
         );
-        assert_eq!(shared.len(), 1);
-        let shared = shared.remove(0);
-        let frame = UpdateFrame {
-            brain_epoch: 7,
-            generation: 9,
-            base_generation: 8,
-            shared,
-            ..Default::default()
-        };
-        let bytes = frame.encode_to_vec();
-        assert_eq!(bytes.len(), frame.encoded_len());
-        let u = Update::decode(&bytes[..]).unwrap();
-        assert_eq!((u.brain_epoch, u.generation, u.base_generation), (7, 9, 8));
+        let own = encode_node_part(Body::Delta(delta.clone()), vec![1, 2, 3]);
+        let u = decode(&frame(tail, own));
         assert_eq!(u.body, Some(Body::Delta(delta)));
         assert_eq!(u.trigger_times[0].nanos, 6);
         assert_eq!(u.objects, vec!["EndpointSlice a/b".to_string()]);
         assert_eq!(u.digest, vec![1, 2, 3]);
         assert!(!u.more);
-        // A snapshot frame too.
-        let shared = encode_shared(
-            Body::Snapshot(Ruleset::default()),
-            vec![],
-            vec![],
-            vec![],
-            1000,
-        )
-        .remove(0);
-        let u = Update::decode(
-            &UpdateFrame {
-                generation: 1,
-                shared,
-                ..Default::default()
-            }
-            .encode_to_vec()[..],
-        )
-        .unwrap();
+        // An empty shared delta has no parts; a snapshot part decodes as a snapshot.
+        assert!(encode_parts(Body::Delta(RulesetDelta::default()), 1000).is_empty());
+        let mut parts = encode_parts(Body::Snapshot(Ruleset::default()), 1000);
+        let u = decode(&frame(parts.remove(0), Bytes::new()));
         assert_eq!(u.body, Some(Body::Snapshot(Ruleset::default())));
     }
 }

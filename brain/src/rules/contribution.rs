@@ -79,6 +79,29 @@ impl Contribution {
         ));
     }
 
+    /// Session affinity for `key`: the key in its per-timeout set, and one `key . endpoint`
+    /// member (which guards the clients' entries) per usable endpoint.
+    fn affinity(
+        &mut self,
+        set: DynSet,
+        members_set: &'static str,
+        key: Vec<Datum>,
+        members: &BTreeSet<(IpAddr, u16)>,
+    ) {
+        for (ip, port) in members {
+            let mut k = key.clone();
+            k.extend([ir::ip(*ip), ir::port(*port)]);
+            self.add(members_set, k);
+        }
+        self.dynamic.push((
+            set,
+            Element {
+                key,
+                ..Default::default()
+            },
+        ));
+    }
+
     /// `n` endpoints for `key`: the key in its count set, one map element per slot.
     fn choose(&mut self, kind: Kind, key: Vec<Datum>, eps: &[(IpAddr, u16)], comment: &str) {
         if eps.is_empty() {
@@ -260,34 +283,20 @@ pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, ipv6: bool) -> Contribu
                 .map(PortEndpoint::addr)
                 .collect();
             if let Some(np) = node_port {
-                let key = nodeport_key(port, np);
-                c.dynamic.push((
+                c.affinity(
                     DynSet::NodePortAffinity(t),
-                    Element {
-                        key: key.clone(),
-                        ..Default::default()
-                    },
-                ));
-                for (eip, ep) in &members {
-                    let mut k = key.clone();
-                    k.extend([ir::ip(*eip), ir::port(*ep)]);
-                    c.add(sets::NODEPORT_AFFINITY_MEMBERS, k);
-                }
+                    sets::NODEPORT_AFFINITY_MEMBERS,
+                    nodeport_key(port, np),
+                    &members,
+                );
             }
             for &ip in dst.cluster.iter().chain(&dst.external) {
-                let key = addr_key(ip, port);
-                c.dynamic.push((
+                c.affinity(
                     DynSet::Affinity(t),
-                    Element {
-                        key: key.clone(),
-                        ..Default::default()
-                    },
-                ));
-                for (eip, ep) in &members {
-                    let mut k = key.clone();
-                    k.extend([ir::ip(*eip), ir::port(*ep)]);
-                    c.add(sets::AFFINITY_MEMBERS, k);
-                }
+                    sets::AFFINITY_MEMBERS,
+                    addr_key(ip, port),
+                    &members,
+                );
             }
         }
     }
