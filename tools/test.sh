@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 tools/setup.sh test
 echo "[test] set-up done in $((SECONDS - start)) s" >&2
+# Incremental caches double the size of target/ and only help edit-compile loops, not one run.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+echo "[test] free disk for target/: $(df -h --output=avail . | tail -1 | tr -d ' ')" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo test --workspace --no-fail-fast "$@"

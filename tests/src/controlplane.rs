@@ -120,7 +120,7 @@ impl ControlPlane {
             }
             Err(err) => {
                 let kept = if keep_logs() {
-                    format!("; logs kept in {}", dir.keep().display())
+                    format!("; logs kept in {}", keep_only_logs(dir).display())
                 } else {
                     format!("; set {KEEP_LOGS_ENV}=1 to keep the logs")
                 };
@@ -473,10 +473,24 @@ impl Drop for ControlPlane {
         {
             eprintln!(
                 "[splitproxy-tests] control plane logs kept in {} (kube-apiserver.log, etcd.log)",
-                dir.keep().display()
+                keep_only_logs(dir).display()
             );
         }
     }
+}
+
+/// Keeps a control plane's directory for its logs but deletes etcd's data (tens of MB each):
+/// a run of failing tests must not fill the disk it needs to report them.
+fn keep_only_logs(dir: tempfile::TempDir) -> PathBuf {
+    let path = dir.keep();
+    if let Ok(entries) = std::fs::read_dir(&path) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with("etcd-data") {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    path
 }
 
 fn keep_logs() -> bool {
