@@ -699,18 +699,12 @@ fn lab1_objects() -> Vec<Value> {
             &[("10.244.1.31", "node-1", "web-lb")],
         ),
         // LoadBalancer restricted to one client.
-        service(
-            "lb-ranges",
-            json!({"type": "LoadBalancer", "clusterIP": "10.96.20.40",
-                   "loadBalancerSourceRanges": ["192.168.77.200/32"],
-                   "ports": [port("http", "TCP", 80, Some(30040))]}),
-            ingress(json!([{"ip": "198.51.100.30"}])),
-        ),
+        lb_ranges("192.168.77.200/32"),
         slice(
             "lb-ranges-1",
             "lb-ranges",
             false,
-            false,
+            true,
             &[("10.244.0.40", "node-0", "web-ranges")],
         ),
         // LoadBalancer without NodePorts.
@@ -744,6 +738,61 @@ fn lab1_objects() -> Vec<Value> {
     ];
     docs.extend(masquerade_objects());
     docs
+}
+
+/// `lb-ranges`: LoadBalancer 198.51.100.30 (TCP 80, UDP 53) open to the clients in `range`.
+fn lb_ranges(range: &str) -> Value {
+    service(
+        "lb-ranges",
+        json!({"type": "LoadBalancer", "clusterIP": "10.96.20.40",
+               "loadBalancerSourceRanges": [range],
+               "ports": [port("http", "TCP", 80, Some(30040)),
+                         port("dns", "UDP", 53, Some(30041))]}),
+        ingress(json!([{"ip": "198.51.100.30"}])),
+    )
+}
+
+/// As in kube-proxy (`ct state new` before the firewall check), a change of
+/// `loadBalancerSourceRanges` judges new connections only: a flow admitted before keeps its
+/// endpoint, a new flow from the same client is dropped, and the newly admitted client gets in.
+/// Leaves `lb-ranges` open to the outsider (192.168.77.201) only.
+async fn source_range_change_keeps_established_flows(c: &mut Checks<'_>) {
+    const FLOW: u16 = 40061;
+    const NEW_FLOW: u16 = 40062;
+    c.section("loadBalancerSourceRanges change: established flows keep going");
+    let lab = c.lab;
+    let dst = sa("198.51.100.30:53");
+    let endpoint = answered(&["web-ranges"], Src::Masqueraded);
+    let before = lab.probe_from_port("external", Proto::Udp, dst, FLOW).await;
+    let verdict = c.judge(&before, &endpoint);
+    c.check(verdict.is_none(), || {
+        format!("UDP flow from inside the range -> LoadBalancer IP: {verdict:?}")
+    });
+    lab.apply_yaml(&yaml(&[lb_ranges("192.168.77.201/32")]))
+        .await
+        .expect("source range update applies");
+    wait_synced(lab).await;
+    let new = lab
+        .probe_from_port("external", Proto::Udp, dst, NEW_FLOW)
+        .await;
+    let verdict = c.judge(&new, &Want::Dropped);
+    c.check(verdict.is_none(), || {
+        format!("a new flow from a client taken out of the range is dropped: {verdict:?}")
+    });
+    let kept = lab.probe_from_port("external", Proto::Udp, dst, FLOW).await;
+    let verdict = c.judge(&kept, &endpoint);
+    c.check(verdict.is_none(), || {
+        format!("the flow admitted before the change keeps its endpoint: {verdict:?}")
+    });
+    c.expect(
+        "the client now in the range -> LoadBalancer IP",
+        "outsider",
+        Proto::Tcp,
+        sa("198.51.100.30:80"),
+        2,
+        endpoint,
+    )
+    .await;
 }
 
 /// The slice of `lb-local`: web-local-0 on node-0 and/or web-local-1 on node-1.
@@ -1096,6 +1145,7 @@ async fn external_traffic_with_cluster_cidr_detection() {
         answered(&["web-ranges"], Src::Masqueraded),
     )
     .await;
+    source_range_change_keeps_established_flows(&mut c).await;
 
     // -- allocateLoadBalancerNodePorts: false ----------------------------------------------------
     c.section("allocateLoadBalancerNodePorts false");

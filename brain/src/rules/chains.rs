@@ -3,9 +3,9 @@
 //! are jump-free.
 //!
 //! ```text
-//! filter-prerouting / filter-output (-110): jump firewall-check       LB source ranges
-//! filter-input / forward / output (-110):   ct state new jump service-endpoints-check
-//! filter-forward, filter-output-post-dnat:   jump cluster-ips-check   unknown ports, free IPs
+//! filter-prerouting / filter-output (-110): ct state new jump firewall-check          LB source ranges
+//! filter-input / forward / output (-110):   ct state new jump service-endpoints-check no endpoints
+//! filter-forward, filter-output-post-dnat:   ct state new jump cluster-ips-check      unknown ports, free IPs
 //! nat-prerouting / nat-output (-100):        jump services            mark, affinity, DNAT
 //! nat-postrouting / nat-input (100):         jump masquerading, jump affinity-record
 //! ```
@@ -32,7 +32,11 @@ fn base(name: &str, hook: Hook, ty: ChainType, priority: i32, jumps: &[&str]) ->
             .iter()
             .map(|target| {
                 let mut exprs = Vec::new();
-                if ty == ChainType::Filter && *target == "service-endpoints-check" {
+                // As kube-proxy: the checks judge a connection once, by its first packet. An
+                // established flow is never re-checked, so a client taken out of
+                // loadBalancerSourceRanges keeps its open connections, and packets of
+                // established flows cost no lookups here.
+                if ty == ChainType::Filter {
                     exprs.extend(ir::ct_state_new());
                 }
                 exprs.push(ir::jump(target));
