@@ -62,8 +62,8 @@ pub struct VirtualFleet {
     bytes: AtomicU64,
     applied: Mutex<HashMap<String, Vec<u8>>>,
     samples: Mutex<Vec<Sample>>,
-    /// Shared models by the identity of the parts that built them (see [`shared_key`]), so
-    /// an update's shared parts are decoded once.
+    /// Shared models by the base they were built on and the parts applied to it (see
+    /// [`shared_key`]), so an update's shared parts are decoded once for all nodes.
     states: Mutex<HashMap<u64, Arc<Model>>>,
     /// Shared models by digest: nodes that reached the same state from different bases (a slow
     /// node gets a larger, coalesced delta) hold one model, not one each.
@@ -237,11 +237,10 @@ impl VirtualFleet {
         let result = self.next_state(&env, held.as_ref());
         let took = start.elapsed();
         match result {
-            Ok((key, model, overlay)) => {
+            Ok((model, overlay)) => {
                 *held = Some(Held {
                     epoch: env.brain_epoch,
                     generation: env.generation,
-                    key,
                     model,
                     overlay,
                 });
@@ -284,7 +283,7 @@ impl VirtualFleet {
         &self,
         env: &Envelope,
         held: Option<&Held>,
-    ) -> Result<(u64, Arc<Model>, Arc<Model>), String> {
+    ) -> Result<(Arc<Model>, Arc<Model>), String> {
         let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
         if env.base_generation != 0 {
             let h = held.ok_or("delta without a base")?;
@@ -296,7 +295,7 @@ impl VirtualFleet {
             }
         }
         let base = held.filter(|_| env.base_generation != 0);
-        let key = shared_key(base.map_or(0, |h| h.key), env.snapshot, shared);
+        let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
         let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
         let model = match cached {
             Some(m) => m,
@@ -325,7 +324,7 @@ impl VirtualFleet {
         if model.digest_with(&overlay) != env.digest {
             return Err("digest after applying differs from the brain's".into());
         }
-        Ok((key, model, Arc::new(overlay)))
+        Ok((model, Arc::new(overlay)))
     }
 }
 
@@ -345,12 +344,17 @@ impl VirtualFleet {
     }
 }
 
-/// Identifies a shared model by how it was reached: the base's identity and the bytes of the
-/// shared parts applied to it (every node at the same base gets the same bytes).
-fn shared_key(base: u64, snapshot: bool, parts: &[Bytes]) -> u64 {
+/// Identifies a shared model by the content of its base (its digest) and the bytes of the
+/// shared parts applied to it: every node at the same base gets the same bytes.
+///
+/// By content, not by the path that led there: nodes reach one state along different paths
+/// (a slow node gets coalesced deltas), and keying by path gave every path its own key, so
+/// after a while of churn each node rebuilt the whole shared model itself on every update and
+/// the fleet's CPU went up with nodes times Services.
+fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[Bytes]) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    base.hash(&mut h);
+    base.map(Model::digest).hash(&mut h);
     snapshot.hash(&mut h);
     for p in parts {
         p.hash(&mut h);
@@ -382,8 +386,6 @@ impl Drop for VirtualFleet {
 struct Held {
     epoch: u64,
     generation: u64,
-    /// Identity of the shared model (see [`shared_key`]).
-    key: u64,
     model: Arc<Model>,
     /// The node's own elements.
     overlay: Arc<Model>,

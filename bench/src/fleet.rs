@@ -47,19 +47,40 @@ pub async fn issue(pki: &Arc<Pki>, names: &[String]) -> anyhow::Result<Vec<Fleet
 pub struct Fleet {
     inner: Arc<VirtualFleet>,
     pub size: usize,
+    /// The fleet's own runtime. Thousands of streams decoding and applying updates would
+    /// otherwise share the bench's workers with the API writer, whose churn writes then
+    /// fell behind and measured the bench, not splitproxy.
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl Fleet {
-    /// Starts every node's stream on the current runtime.
-    pub fn start(brain: std::net::SocketAddr, ca_pem: &str, nodes: Vec<FleetNode>) -> Fleet {
+    /// Starts every node's stream on a runtime of the fleet's own.
+    pub fn start(
+        brain: std::net::SocketAddr,
+        ca_pem: &str,
+        nodes: Vec<FleetNode>,
+    ) -> anyhow::Result<Fleet> {
         let size = nodes.len();
-        let inner = VirtualFleet::start(FleetConfig {
-            brain: format!("https://{brain}"),
-            server_name: Some("127.0.0.1".to_string()),
-            ca_pem: ca_pem.as_bytes().to_vec(),
-            nodes,
-        });
-        Fleet { inner, size }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("virtual-fleet")
+            .enable_all()
+            .build()
+            .context("building the virtual fleet's runtime")?;
+        let inner = {
+            let _on = runtime.enter();
+            VirtualFleet::start(FleetConfig {
+                brain: format!("https://{brain}"),
+                server_name: Some("127.0.0.1".to_string()),
+                ca_pem: ca_pem.as_bytes().to_vec(),
+                nodes,
+            })
+        };
+        Ok(Fleet {
+            inner,
+            size,
+            runtime: Some(runtime),
+        })
     }
 
     pub fn status(&self) -> FleetStatus {
@@ -103,6 +124,10 @@ impl Fleet {
 impl Drop for Fleet {
     fn drop(&mut self) {
         self.inner.stop();
+        // Dropped from async code: a blocking shutdown would panic there.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
     }
 }
 

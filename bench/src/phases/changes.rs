@@ -108,6 +108,9 @@ pub async fn churn(b: &mut Bench) -> anyhow::Result<Phase> {
     Ok(b.finish(run, &desc, last, changes, None).await)
 }
 
+/// How long one tick's writes may take before the tick counts as failed.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The churn loop, also used by the watch comparison: returns the last write's time, the number
 /// of writes and notes about writes that failed or fell behind. Bounded by `seconds` ticks.
 pub async fn churn_for(
@@ -138,7 +141,9 @@ pub async fn churn_for(
             svc.slices[0].endpoints[j] = fresh;
             updates.push((svc.name.clone(), svc.slices[0].clone()));
         }
-        match b.writer.update_slices(&updates).await {
+        // Bounded: a write the API server never answers must not stall the loop.
+        let write = tokio::time::timeout(WRITE_TIMEOUT, b.writer.update_slices(&updates)).await;
+        match write.unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within {WRITE_TIMEOUT:?}"))) {
             Ok(times) => {
                 changes += times.len();
                 if let Some(t) = times.into_iter().max() {

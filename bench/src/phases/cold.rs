@@ -34,7 +34,7 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
     }
     if !fleet_nodes.is_empty() {
         let grpc = b.rig.brain_grpc()?;
-        b.rig.fleet = Some(Fleet::start(grpc, b.rig.pki.ca_pem(), fleet_nodes));
+        b.rig.fleet = Some(Fleet::start(grpc, b.rig.pki.ca_pem(), fleet_nodes)?);
     }
 
     let mut out = ColdStart::default();
