@@ -2,8 +2,10 @@
 //! through the brain's index and incremental desired state (full rebuild, single-Service
 //! changes, diffs between versions, encoded sizes), then applied by the actuator's applier in a
 //! private network namespace as a snapshot (cold start) and as deltas (one endpoint change, one
-//! Service added, one deleted). As root:
-//! `cargo run --release -p splitproxy-tests --example scale -- [S] [E]`.
+//! Service added, one deleted). With N > 0, endpoints are spread over N Nodes and the brain
+//! also builds every node's overlay ([`splitproxy_brain::overlay`]): the memory that grows with
+//! nodes. As root:
+//! `cargo run --release -p splitproxy-tests --example scale -- [S] [E] [N]`.
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,7 +14,8 @@ use splitproxy_actuator::nft::NftSocket;
 use splitproxy_brain::desired::Desired;
 use splitproxy_brain::index::Index;
 use splitproxy_brain::metrics::Metrics;
-use splitproxy_brain::objects::{self, ObjectKey};
+use splitproxy_brain::objects::{self, NodeInfo, ObjectKey};
+use splitproxy_brain::overlay::Overlays;
 use splitproxy_brain::rules::{NodeView, RulesConfig};
 use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Update, update::Body};
@@ -26,12 +29,17 @@ fn service(i: u32) -> k8s_openapi::api::core::v1::Service {
     .unwrap()
 }
 
-fn slice(i: u32, e: u32, round: u32) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+/// Endpoints of Service `i`; with `nodes` > 0, each on one of them (`nodeName`).
+fn slice(i: u32, e: u32, round: u32, nodes: u32) -> k8s_openapi::api::discovery::v1::EndpointSlice {
     let eps: Vec<_> = (0..e)
         .map(|k| {
             let n = i * e + k + round * 7;
-            serde_json::json!({"addresses": [format!("10.{}.{}.{}", 128 + (n / 65536) % 64, (n / 256) % 256, n % 256)],
-                               "conditions": {"ready": true}})
+            let mut ep = serde_json::json!({"addresses": [format!("10.{}.{}.{}", 128 + (n / 65536) % 64, (n / 256) % 256, n % 256)],
+                               "conditions": {"ready": true}});
+            if nodes > 0 {
+                ep["nodeName"] = format!("node-{}", n % nodes).into();
+            }
+            ep
         })
         .collect();
     serde_json::from_value(serde_json::json!({
@@ -44,12 +52,17 @@ fn slice(i: u32, e: u32, round: u32) -> k8s_openapi::api::discovery::v1::Endpoin
 }
 
 /// A hundred single-Service endpoint changes: the brain's compute and diff per change.
-fn brain_changes(index: &mut Index, d: &mut Desired, metrics: &Metrics, s: u32, e: u32) {
+fn brain_changes(
+    index: &mut Index,
+    d: &mut Desired,
+    metrics: &Metrics,
+    (s, e, nodes): (u32, u32, u32),
+) {
     let mut prev = Arc::new(d.model().clone());
     let (mut compute, mut diff, mut size) = (Vec::new(), Vec::new(), Vec::new());
     for k in 0..100u32 {
         let i = (k * 97) % s;
-        let sl = slice(i, e, 1000 + k);
+        let sl = slice(i, e, 1000 + k, nodes);
         let t = Instant::now();
         index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, metrics));
         d.update(index, [ObjectKey::new("bench", format!("s{i}"))].iter());
@@ -89,10 +102,12 @@ fn main() -> anyhow::Result<()> {
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
-    let (s, e) = (
+    let (s, e, nodes) = (
         args.first().copied().unwrap_or(10_000),
         args.get(1).copied().unwrap_or(10),
+        args.get(2).copied().unwrap_or(0),
     );
+    println!("start: {}", rss());
     let metrics = Metrics::default();
     let mut index = Index::default();
     for i in 0..s {
@@ -101,17 +116,55 @@ fn main() -> anyhow::Result<()> {
             ObjectKey::of(&svc),
             objects::service(&svc, &Default::default(), &metrics),
         );
-        let sl = slice(i, e, 0);
+        let sl = slice(i, e, 0, nodes);
         index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
     }
+    for n in 0..nodes {
+        let ip = format!("192.168.{}.{}", n / 256, n % 256).parse()?;
+        let name = format!("node-{n}");
+        index.apply_node(
+            name.clone(),
+            Some(NodeInfo {
+                name,
+                addresses: vec![ip],
+                primary: vec![ip],
+                ..Default::default()
+            }),
+        );
+    }
+    println!(
+        "brain: index of {s} Services x {e}, {nodes} Nodes: {}",
+        rss()
+    );
     let mut d = Desired::new(RulesConfig::default(), NodeView::default());
     let t = Instant::now();
     d.rebuild(&index);
     println!(
-        "brain: full rebuild of {s} Services x {e}: {:?}, {} elements",
+        "brain: full rebuild of {s} Services x {e}: {:?}, {} elements, {}",
         t.elapsed(),
-        d.model().element_count()
+        d.model().element_count(),
+        rss()
     );
+    // Kept alive to the end, as the brain keeps them.
+    let mut overlays = Overlays::new(RulesConfig::default());
+    let mut published = Vec::new();
+    if nodes > 0 {
+        let t = Instant::now();
+        overlays.rebuild(&index, &mut d);
+        published = overlays.changed_models();
+        let elements: usize = published
+            .iter()
+            .filter_map(|(_, m)| m.as_ref())
+            .map(|m| m.element_count())
+            .sum();
+        println!(
+            "brain: overlays of {nodes} nodes: {:?}, {elements} elements, {}",
+            t.elapsed(),
+            rss()
+        );
+    }
+    brain_changes(&mut index, &mut d, &metrics, (s, e, nodes));
+    // The kernel's cold start is this state, so that each step below is one change on it.
     let v0 = Arc::new(d.model().clone());
     let t = Instant::now();
     let encoded = prost::Message::encoded_len(&v0.to_ruleset());
@@ -119,7 +172,6 @@ fn main() -> anyhow::Result<()> {
         "brain: snapshot {encoded} bytes, built and sized in {:?}",
         t.elapsed()
     );
-    brain_changes(&mut index, &mut d, &metrics, s, e);
     let snapshot = Update {
         brain_epoch: 1,
         generation: 1,
@@ -156,7 +208,7 @@ fn main() -> anyhow::Result<()> {
         &mut d,
         "s17",
         &mut |ix| {
-            let sl = slice(17, e, 1);
+            let sl = slice(17, e, 1, nodes);
             ix.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
         },
     );
@@ -171,7 +223,7 @@ fn main() -> anyhow::Result<()> {
                 ObjectKey::of(&svc),
                 objects::service(&svc, &Default::default(), &metrics),
             );
-            let sl = slice(s, e, 0);
+            let sl = slice(s, e, 0, nodes);
             ix.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
         },
     );
@@ -185,7 +237,7 @@ fn main() -> anyhow::Result<()> {
             ix.apply_slice(ObjectKey::new("bench", "s42-1"), None);
         },
     );
-    drop(d);
+    drop((d, overlays, published));
     drop(index);
     println!("before applying: {}", rss());
 
