@@ -79,8 +79,10 @@ pub struct Args {
     pub max_concurrent_snapshots: usize,
     /// Set elements per message: larger snapshots and deltas are sent in parts of this size,
     /// which every node joins and applies as one transaction. Keeps every message (and every
-    /// stream's encode buffer) small.
-    #[arg(long, default_value_t = 2048)]
+    /// stream's encode buffer) small: each stream's buffers follow the largest message it
+    /// carried, so at 5,000 nodes 2,048 elements (about 80 KB) cost the brain 1,100 MiB, 1,024
+    /// cost 720 MiB with the same churn latency, and 512 saved no more but added 0.4 s to it.
+    #[arg(long, default_value_t = 1024)]
     pub update_part_elements: usize,
     /// Minimum time between two publications of desired state (milliseconds). Changes within
     /// it are folded into one update per node, like kube-proxy's minimum sync period.

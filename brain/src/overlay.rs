@@ -9,18 +9,86 @@
 //!
 //! A change to a Service recomputes the overlays of the nodes that hold or held a share of it
 //! (usually the few hosting its endpoints), so the cost follows the change.
+use std::borrow::Cow;
+use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use splitproxy_proto::model::Model;
+use prost::Message;
+use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
 
-use crate::desired::{Desired, keyed};
+use crate::desired::Desired;
 use crate::index::Index;
 use crate::objects::{NodeInfo, ObjectKey};
 use crate::rules::RulesConfig;
 use crate::rules::contribution::{self, Contribution, ServiceEndpoints};
+use crate::rules::sets::DynSet;
 
-type Share = [Contribution; 2];
+/// What one Service (or the node's facts) puts in a node's overlay, per family.
+type Share = [Kept; 2];
+
+/// A set of the shared model, named without allocating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum SetRef {
+    Fixed(&'static str),
+    Dynamic(DynSet),
+}
+
+impl SetRef {
+    fn name(self) -> Cow<'static, str> {
+        match self {
+            SetRef::Fixed(s) => Cow::Borrowed(s),
+            SetRef::Dynamic(d) => Cow::Owned(d.name()),
+        }
+    }
+}
+
+/// (set, element key, encoded element).
+type KeptElement = (SetRef, Box<[u8]>, Box<[u8]>);
+
+/// A contribution as an overlay keeps it: its elements keyed as the model keys them and sorted,
+/// and the dynamic sets they use. A node keeps one per Service with an endpoint on it (100k at
+/// 5,000 nodes), and decoded contributions took several times the memory.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Kept {
+    /// Sorted by set and key.
+    elements: Box<[KeptElement]>,
+    /// One entry per element in a dynamic set (each holds the set once).
+    dynamic: Box<[DynSet]>,
+}
+
+impl Kept {
+    fn of(c: &Contribution) -> Kept {
+        let mut elements: Vec<_> = c
+            .elements
+            .iter()
+            .map(|(set, e)| (SetRef::Fixed(set), e))
+            .chain(c.dynamic.iter().map(|(d, e)| (SetRef::Dynamic(*d), e)))
+            .map(|(set, e)| {
+                (
+                    set,
+                    element_key_bytes(e),
+                    e.encode_to_vec().into_boxed_slice(),
+                )
+            })
+            .collect();
+        elements.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        // A key listed twice counts once, as in a map.
+        elements.dedup_by(|b, a| (a.0, &a.1) == (b.0, &b.1));
+        Kept {
+            elements: elements.into_boxed_slice(),
+            dynamic: c.dynamic.iter().map(|(d, _)| *d).collect(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.elements.is_empty() && self.dynamic.is_empty()
+    }
+}
+
+fn kept(c: [Contribution; 2]) -> Share {
+    [Kept::of(&c[0]), Kept::of(&c[1])]
+}
 
 #[derive(Default)]
 struct NodeOverlay {
@@ -29,19 +97,69 @@ struct NodeOverlay {
     info: NodeInfo,
     facts: Share,
     shares: HashMap<ObjectKey, Share>,
-    /// Uses of each element (family, set, key): two Services may share a pod (hairpin).
-    refs: HashMap<(bool, String, Box<[u8]>), usize>,
+    /// Elements (family, set, key) used by more than one share, with the number of uses beyond
+    /// the first: two Services may share a pod (hairpin). Most elements have one use and no
+    /// entry.
+    extra_uses: HashMap<(bool, String, Box<[u8]>), usize>,
 }
 
 impl NodeOverlay {
     /// Gives back the dynamic sets this overlay uses.
     fn release(&self, desired: &mut Desired) {
         for share in std::iter::once(&self.facts).chain(self.shares.values()) {
-            for (v6, c) in [(false, &share[0]), (true, &share[1])] {
-                for (d, _) in &c.dynamic {
+            for (v6, k) in [(false, &share[0]), (true, &share[1])] {
+                for d in &k.dynamic {
                     desired.release(v6, *d);
                 }
             }
+        }
+    }
+
+    /// One more use of an element; the first puts it in the model.
+    fn add_use(
+        &mut self,
+        desired: &Desired,
+        (v6, table): (bool, &TableKey),
+        set: SetRef,
+        key: &[u8],
+        value: &[u8],
+    ) {
+        let name = set.name();
+        let present = self
+            .model
+            .set(table, &name)
+            .is_some_and(|s| s.elements.contains_key(key));
+        if present {
+            *self
+                .extra_uses
+                .entry((v6, name.into_owned(), key.into()))
+                .or_default() += 1;
+            return;
+        }
+        if self.model.set(table, &name).is_none() {
+            let Some(def) = desired.set_def(v6, &name) else {
+                tracing::warn!(set = %name, "overlay element for a set the shared model lacks");
+                return;
+            };
+            self.model.upsert_table(table, "rules for splitproxy");
+            self.model.upsert_set(table, &def);
+        }
+        self.model
+            .insert_element(table, &name, key.into(), value.into());
+    }
+
+    /// One use fewer; the last takes it out of the model.
+    fn remove_use(&mut self, (v6, table): (bool, &TableKey), set: SetRef, key: &[u8]) {
+        let name = set.name();
+        let rk = (v6, name.into_owned(), Box::<[u8]>::from(key));
+        match self.extra_uses.get_mut(&rk) {
+            Some(c) => {
+                *c -= 1;
+                if *c == 0 {
+                    self.extra_uses.remove(&rk);
+                }
+            }
+            None => self.model.remove_element(table, &rk.1, key),
         }
     }
 }
@@ -160,14 +278,15 @@ impl Overlays {
             if known {
                 continue;
             }
-            let facts = [
+            let facts = kept([
                 contribution::node_facts(&self.config, info, false),
                 contribution::node_facts(&self.config, info, true),
-            ];
+            ]);
             let overlay = self.nodes.entry(name.clone()).or_default();
             overlay.info = info.clone();
-            let old = std::mem::replace(&mut overlay.facts, facts.clone());
+            let old = std::mem::take(&mut overlay.facts);
             replace(overlay, desired, &old, &facts);
+            overlay.facts = facts;
             self.changed.insert(name.clone());
             let mut affected: HashSet<ObjectKey> = self.everywhere.clone();
             affected.extend(self.by_node_name.get(name).into_iter().flatten().cloned());
@@ -233,10 +352,10 @@ impl Overlays {
                     continue;
                 };
                 let new: Share = match (svc, &eps) {
-                    (Some(s), Some(e)) if new_nodes.contains(name) => [
+                    (Some(s), Some(e)) if new_nodes.contains(name) => kept([
                         contribution::node(s, e, info, false),
                         contribution::node(s, e, info, true),
-                    ],
+                    ]),
                     _ => Share::default(),
                 };
                 let old = overlay.shares.remove(key).unwrap_or_default();
@@ -279,56 +398,45 @@ impl Overlays {
 fn replace(overlay: &mut NodeOverlay, desired: &mut Desired, old: &Share, new: &Share) {
     for ipv6 in [false, true] {
         let (o, n) = (&old[ipv6 as usize], &new[ipv6 as usize]);
-        if o == n {
-            continue;
-        }
-        if !desired.has_table(ipv6) {
+        if o == n || !desired.has_table(ipv6) {
             continue;
         }
         let table = desired.table_key(ipv6);
-        for (d, _) in &n.dynamic {
+        let at = (ipv6, &table);
+        for d in &n.dynamic {
             desired.acquire(ipv6, *d);
         }
-        let (old_k, new_k) = (keyed(o), keyed(n));
-        for (set, key) in old_k.keys().filter(|k| !new_k.contains_key(*k)) {
-            let rk = (ipv6, set.clone(), key.clone());
-            if let Some(c) = overlay.refs.get_mut(&rk) {
-                *c -= 1;
-                if *c == 0 {
-                    overlay.refs.remove(&rk);
-                    overlay.model.remove_element(&table, set, key);
+        // Both sorted by (set, key): one merge walk.
+        let (mut a, mut b) = (o.elements.iter().peekable(), n.elements.iter().peekable());
+        loop {
+            let order = match (a.peek(), b.peek()) {
+                (None, None) => break,
+                (Some(_), None) => Ordering::Less,
+                (None, Some(_)) => Ordering::Greater,
+                (Some(x), Some(y)) => (x.0, &x.1).cmp(&(y.0, &y.1)),
+            };
+            match order {
+                Ordering::Less => {
+                    let (set, key, _) = a.next().expect("peeked");
+                    overlay.remove_use(at, *set, key);
                 }
-            }
-        }
-        for ((set, key), value) in new_k {
-            match old_k.get(&(set.clone(), key.clone())) {
-                Some(v) if *v == value => {}
-                Some(_) => {
-                    overlay
-                        .model
-                        .insert_element(&table, &set, key, value.into_boxed_slice());
+                Ordering::Greater => {
+                    let (set, key, value) = b.next().expect("peeked");
+                    overlay.add_use(desired, at, *set, key, value);
                 }
-                None => {
-                    let rk = (ipv6, set.clone(), key.clone());
-                    let c = overlay.refs.entry(rk).or_default();
-                    *c += 1;
-                    if *c == 1 {
-                        if overlay.model.set(&table, &set).is_none() {
-                            let Some(def) = desired.set_def(ipv6, &set) else {
-                                tracing::warn!(%set, "overlay element for a set the shared model lacks");
-                                continue;
-                            };
-                            overlay.model.upsert_table(&table, "rules for splitproxy");
-                            overlay.model.upsert_set(&table, &def);
-                        }
+                Ordering::Equal => {
+                    let ((_, _, was), (set, key, value)) =
+                        (a.next().expect("peeked"), b.next().expect("peeked"));
+                    if was != value {
+                        let name = set.name();
                         overlay
                             .model
-                            .insert_element(&table, &set, key, value.into_boxed_slice());
+                            .insert_element(&table, &name, key.clone(), value.clone());
                     }
                 }
             }
         }
-        for (d, _) in &o.dynamic {
+        for d in &o.dynamic {
             desired.release(ipv6, *d);
         }
     }

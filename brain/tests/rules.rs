@@ -1055,7 +1055,10 @@ fn churn_moves_elements_not_jumps() {
         match rng.below(4) {
             // The Service goes away, or comes back.
             0 => {
-                if c.index.service(&ObjectKey::new(NS, &s.name)).is_some() {
+                if c.index
+                    .service(&ObjectKey::new(NS, s.name.as_str()))
+                    .is_some()
+                {
                     c.delete_service(&s.name);
                 } else {
                     c.apply_service(service(
@@ -1085,7 +1088,7 @@ fn churn_moves_elements_not_jumps() {
         if step % 10 == 0 {
             check_invariants(&rs);
         }
-        incremental.update(&c.index, [ObjectKey::new(NS, &s.name)].iter());
+        incremental.update(&c.index, [ObjectKey::new(NS, s.name.as_str())].iter());
         assert_eq!(
             incremental.model().to_ruleset(),
             rs,

@@ -551,7 +551,7 @@ fn incremental_overlays_equal_rebuilt_ones() {
     for step in 0..120u32 {
         let i = step % 7;
         let name = format!("s{i}");
-        let mut dirty = vec![ObjectKey::new(NS, &name)];
+        let mut dirty = vec![ObjectKey::new(NS, name.as_str())];
         let mut dirty_nodes = Vec::new();
         match step % 5 {
             0..=2 => {
@@ -594,7 +594,9 @@ fn incremental_overlays_equal_rebuilt_ones() {
                     .collect();
                 c.slice(slice(&format!("{name}-1"), &name, &eps));
             }
-            3 => c.index.apply_service(ObjectKey::new(NS, &name), None),
+            3 => c
+                .index
+                .apply_service(ObjectKey::new(NS, name.as_str()), None),
             _ => {
                 // A node changes zone and addresses, or goes and comes back.
                 let node = nodes[(step as usize / 5) % 2];

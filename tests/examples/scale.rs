@@ -83,6 +83,29 @@ fn brain_changes(
     );
 }
 
+/// Counts live heap bytes, which RSS blurs with the allocator's retained pages.
+struct Counting;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn live_mib() -> f64 {
+    LIVE.load(std::sync::atomic::Ordering::Relaxed) as f64 / (1 << 20) as f64
+}
+
 fn rss() -> String {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let get = |k: &str| {
@@ -94,7 +117,12 @@ fn rss() -> String {
             .unwrap_or("?")
             .to_string()
     };
-    format!("RSS {} kB, peak {} kB", get("VmRSS"), get("VmHWM"))
+    format!(
+        "heap {:.1} MiB, RSS {} kB, peak {} kB",
+        live_mib(),
+        get("VmRSS"),
+        get("VmHWM")
+    )
 }
 
 fn main() -> anyhow::Result<()> {
@@ -237,7 +265,20 @@ fn main() -> anyhow::Result<()> {
             ix.apply_slice(ObjectKey::new("bench", "s42-1"), None);
         },
     );
-    drop((d, overlays, published));
+    if nodes > 0 {
+        let before = live_mib();
+        drop(overlays);
+        let models = live_mib();
+        drop(published);
+        println!(
+            "brain: overlays' bookkeeping {:.1} MiB, their models {:.1} MiB",
+            before - models,
+            models - live_mib()
+        );
+    } else {
+        drop((overlays, published));
+    }
+    drop(d);
     drop(index);
     println!("before applying: {}", rss());
 
