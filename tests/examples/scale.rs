@@ -52,20 +52,30 @@ fn slice(i: u32, e: u32, round: u32, nodes: u32) -> k8s_openapi::api::discovery:
 }
 
 /// A hundred single-Service endpoint changes: the brain's compute and diff per change.
+/// With nodes, each change also updates the overlays of the nodes it touches, as the brain's
+/// publication does.
 fn brain_changes(
     index: &mut Index,
     d: &mut Desired,
+    overlays: &mut Overlays,
     metrics: &Metrics,
     (s, e, nodes): (u32, u32, u32),
 ) {
     let mut prev = Arc::new(d.model().clone());
     let (mut compute, mut diff, mut size) = (Vec::new(), Vec::new(), Vec::new());
+    let mut touched = Vec::new();
     for k in 0..100u32 {
         let i = (k * 97) % s;
         let sl = slice(i, e, 1000 + k, nodes);
         let t = Instant::now();
         index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, metrics));
-        d.update(index, [ObjectKey::new("bench", format!("s{i}"))].iter());
+        let key = [ObjectKey::new("bench", format!("s{i}"))];
+        d.update(index, key.iter());
+        if nodes > 0 {
+            overlays.update(index, d, key.iter(), std::iter::empty());
+            d.prune();
+            touched.push(overlays.changed_models().len());
+        }
         let next = Arc::new(d.model().clone());
         compute.push(t.elapsed());
         let t = Instant::now();
@@ -78,8 +88,13 @@ fn brain_changes(
     diff.sort();
     size.sort();
     println!(
-        "brain: one Service change: compute p50 {:?} max {:?}; diff p50 {:?} max {:?}; delta p50 {} bytes",
-        compute[50], compute[99], diff[50], diff[99], size[50]
+        "brain: one Service change: compute p50 {:?} max {:?}; diff p50 {:?} max {:?}; delta p50 {} bytes; overlays changed per change {:?}",
+        compute[50],
+        compute[99],
+        diff[50],
+        diff[99],
+        size[50],
+        touched.iter().max()
     );
 }
 
@@ -191,7 +206,7 @@ fn main() -> anyhow::Result<()> {
             rss()
         );
     }
-    brain_changes(&mut index, &mut d, &metrics, (s, e, nodes));
+    brain_changes(&mut index, &mut d, &mut overlays, &metrics, (s, e, nodes));
     // The kernel's cold start is this state, so that each step below is one change on it.
     let v0 = Arc::new(d.model().clone());
     let t = Instant::now();
