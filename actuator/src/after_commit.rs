@@ -1,6 +1,6 @@
 //! What follows a committed transaction: guarded map entries whose guard element went are
 //! deleted (guards.rs), then stale UDP conntrack entries (conntrack.rs), and the
-//! healthCheckNodePort servers follow the model (healthcheck.rs). They run after the update is
+//! healthCheckNodePort servers follow the model, ports and addresses (healthcheck.rs). They run after the update is
 //! acknowledged, so none delays the ack, and before the next update is applied, so they always
 //! see the model they follow. None can fail the update: the kernel has the new rules already.
 use std::net::IpAddr;
@@ -24,8 +24,8 @@ pub struct AfterCommit {
 
 impl AfterCommit {
     /// `table`: the actuator's table name (the health check ports are a set of `ip <table>`);
-    /// `health_check_addresses`: where the health check servers listen (the first must bind,
-    /// see [`crate::healthcheck::DEFAULT_ADDRESSES`]).
+    /// `health_check_addresses`: where the health check servers listen while the model names no
+    /// NodePort address (see [`crate::healthcheck::DEFAULT_ADDRESSES`]).
     pub fn new(table: String, health: Arc<Health>, health_check_addresses: Vec<IpAddr>) -> Self {
         AfterCommit {
             table,

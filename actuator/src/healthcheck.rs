@@ -13,6 +13,11 @@
 //! After every commit [`HealthCheckServers::reconcile_model`] starts servers for new ports,
 //! stops those of removed ports and updates the others in place (their connections stay). A
 //! port that cannot be bound is logged and tried again at the next commit.
+//!
+//! Like kube-proxy, the servers listen on the node's NodePort addresses (`--nodeport-addresses`):
+//! the elements of [`NODEPORT_IPS`] in `ip <table>` and `ip6 <table>`. When those change, every
+//! server moves to the new addresses. When the brain names none (a Node without addresses),
+//! the addresses given to [`HealthCheckServers::new`] are used.
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::io;
@@ -36,9 +41,11 @@ use crate::health::Health;
 pub const SET: &str = "health-check-nodeports";
 /// The map of this node's local endpoint counts by health check port.
 pub const LOCAL_SET: &str = "health-check-local-endpoints";
+/// The addresses NodePorts (and so health checks) answer on, in both families' tables.
+pub const NODEPORT_IPS: &str = "nodeport-ips";
 
-/// kube-proxy listens on every address; splitproxy binds these two (the IPv6 one
-/// IPV6_V6ONLY, and optional: a node without IPv6 serves IPv4 only).
+/// Where the servers listen when the model names no NodePort address: every address (the IPv6
+/// one IPV6_V6ONLY, and optional: a node without IPv6 serves IPv4 only).
 pub const DEFAULT_ADDRESSES: [IpAddr; 2] = [
     IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
     IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
@@ -136,22 +143,47 @@ impl Running {
     }
 }
 
+/// The NodePort addresses `model` names for this node, IPv4 first.
+pub fn nodeport_addresses(model: &Model, table: &str) -> Vec<IpAddr> {
+    let mut out = Vec::new();
+    for family in [Family::Ip, Family::Ip6] {
+        let key = (family as i32, table.to_owned());
+        let Some(set) = model.set(&key, NODEPORT_IPS) else {
+            continue;
+        };
+        out.extend(
+            set.decoded()
+                .filter_map(|e| match e.key.first()?.value.as_ref()? {
+                    Value::Ipv4(b) => <[u8; 4]>::try_from(b.as_slice()).ok().map(IpAddr::from),
+                    Value::Ipv6(b) => <[u8; 16]>::try_from(b.as_slice()).ok().map(IpAddr::from),
+                    _ => None,
+                }),
+        );
+    }
+    out
+}
+
 /// The running health check servers.
 pub struct HealthCheckServers {
-    /// The first must bind; the others may fail (IPv6 absent).
+    /// Used when the model names no NodePort address; the first must bind, the others may
+    /// fail (IPv6 absent).
+    fallback: Vec<IpAddr>,
+    /// Where the running servers listen: the model's NodePort addresses, or `fallback`.
     addresses: Vec<IpAddr>,
     health: Arc<Health>,
     running: BTreeMap<u16, Running>,
-    /// The two maps reconciled last, to skip commits that left them alone.
-    seen: Option<(Option<SetModel>, Option<SetModel>)>,
+    /// The maps and addresses reconciled last, to skip commits that left them alone.
+    seen: Option<(Option<SetModel>, Option<SetModel>, Vec<IpAddr>)>,
     /// Some port failed to bind: the next reconcile retries even if the set did not change.
     retry: bool,
 }
 
 impl HealthCheckServers {
-    pub fn new(addresses: Vec<IpAddr>, health: Arc<Health>) -> Self {
+    /// `fallback`: where to listen while the model names no NodePort address.
+    pub fn new(fallback: Vec<IpAddr>, health: Arc<Health>) -> Self {
         HealthCheckServers {
-            addresses,
+            addresses: fallback.clone(),
+            fallback,
             health,
             running: BTreeMap::new(),
             seen: None,
@@ -168,15 +200,34 @@ impl HealthCheckServers {
     /// not change and no port is waiting for a retry.
     pub async fn reconcile_model(&mut self, model: &Model, table: &str) {
         let key = (Family::Ip as i32, table.to_owned());
-        let sets = (
+        let mut addresses = nodeport_addresses(model, table);
+        if addresses.is_empty() {
+            addresses = self.fallback.clone();
+        }
+        let seen = (
             model.set(&key, SET).cloned(),
             model.set(&key, LOCAL_SET).cloned(),
+            addresses.clone(),
         );
-        if !self.retry && self.seen.as_ref() == Some(&sets) {
+        if !self.retry && self.seen.as_ref() == Some(&seen) {
             return;
         }
+        if addresses != self.addresses {
+            tracing::info!(
+                ?addresses,
+                "health check servers move to the NodePort addresses"
+            );
+            self.stop_all().await;
+            self.addresses = addresses;
+        }
         self.reconcile(desired(model, table)).await;
-        self.seen = Some(sets);
+        self.seen = Some(seen);
+    }
+
+    async fn stop_all(&mut self) {
+        for (_, r) in std::mem::take(&mut self.running) {
+            r.stop().await;
+        }
     }
 
     /// Stops the servers of ports not in `desired` (waiting until their listeners are closed,
@@ -222,7 +273,8 @@ impl HealthCheckServers {
         let service = Arc::new(Mutex::new(svc));
         let (stop, stopped) = watch::channel(());
         let mut listeners = Vec::new();
-        for (i, ip) in self.addresses.iter().enumerate() {
+        let mut first_error = None;
+        for ip in &self.addresses {
             let addr = SocketAddr::new(*ip, port);
             match bind(addr) {
                 Ok(l) => listeners.push(tokio::spawn(serve(
@@ -231,11 +283,15 @@ impl HealthCheckServers {
                     self.health.clone(),
                     stopped.clone(),
                 ))),
-                Err(e) if i == 0 => return Err(e),
                 Err(e) => {
-                    tracing::debug!(%addr, error = %e, "health check server not on this address")
+                    tracing::debug!(%addr, error = %e, "health check server not on this address");
+                    first_error.get_or_insert(e);
                 }
             }
+        }
+        // Served if any address took it (an IPv6 address may be absent on the node).
+        if listeners.is_empty() {
+            return Err(first_error.unwrap_or_else(|| io::Error::other("no address to listen on")));
         }
         Ok(Running {
             service,

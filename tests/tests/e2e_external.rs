@@ -926,6 +926,25 @@ async fn external_traffic_with_cluster_cidr_detection() {
         Want::Refused,
     )
     .await;
+    // As kube-proxy, health check servers listen on the NodePort addresses only.
+    c.health(
+        "healthCheckNodePort on node-0's primary address",
+        "external",
+        &format!("http://{N0}:32100/healthz"),
+        200,
+        "lb-local",
+        1,
+    )
+    .await;
+    c.expect(
+        "healthCheckNodePort is not served on a secondary node address (primary only)",
+        "external",
+        Proto::Tcp,
+        SocketAddr::new(ip(N0_EXTRA), 32100),
+        1,
+        Want::Refused,
+    )
+    .await;
 
     // -- NodePort without endpoints --------------------------------------------------------------
     c.section("NodePort without endpoints");

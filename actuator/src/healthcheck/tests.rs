@@ -327,3 +327,52 @@ fn local_counts_come_from_the_nodes_map() {
     .collect();
     assert_eq!(desired(&Model::from_ruleset(&rs), TABLE), want);
 }
+
+#[test]
+fn listens_on_the_nodeport_addresses_of_both_families() {
+    let ips = |family: Family, ty: DataType, addrs: Vec<Value>| Table {
+        family: family as i32,
+        name: TABLE.to_owned(),
+        sets: vec![Set {
+            name: NODEPORT_IPS.to_owned(),
+            key: vec![ty as i32],
+            elements: addrs
+                .into_iter()
+                .map(|v| Element {
+                    key: vec![Datum { value: Some(v) }],
+                    ..Element::default()
+                })
+                .collect(),
+            ..Set::default()
+        }],
+        ..Table::default()
+    };
+    let m = Model::from_ruleset(&Ruleset {
+        tables: vec![
+            ips(
+                Family::Ip6,
+                DataType::Ipv6Addr,
+                vec![Value::Ipv6(
+                    "fd00::10"
+                        .parse::<std::net::Ipv6Addr>()
+                        .unwrap()
+                        .octets()
+                        .to_vec(),
+                )],
+            ),
+            ips(
+                Family::Ip,
+                DataType::Ipv4Addr,
+                vec![Value::Ipv4(vec![192, 168, 77, 10])],
+            ),
+        ],
+    });
+    assert_eq!(
+        nodeport_addresses(&m, TABLE),
+        vec![
+            IpAddr::from([192, 168, 77, 10]),
+            "fd00::10".parse::<IpAddr>().unwrap()
+        ]
+    );
+    assert!(nodeport_addresses(&model(vec![]), TABLE).is_empty());
+}
