@@ -150,10 +150,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(1 << 30),
         )
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc),
-            shutdown(),
-        )
+        .serve_with_incoming_shutdown(no_delay(grpc), shutdown())
         .await
         .context("gRPC server")?;
     Ok(())
@@ -182,4 +179,20 @@ async fn shutdown() {
         _ = tokio::signal::ctrl_c() => {}
     }
     tracing::info!("shutting down");
+}
+
+/// Accepted node connections with Nagle's algorithm off (tonic sets it only on listeners it
+/// binds itself): an update written in two parts must not wait for the node's delayed ACK.
+fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+        if let Ok(c) = &conn
+            && let Err(e) = c.set_nodelay(true)
+        {
+            tracing::debug!(error = %e, "TCP_NODELAY not set on a node connection");
+        }
+        conn
+    })
 }
