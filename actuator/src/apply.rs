@@ -124,10 +124,13 @@ impl Applier {
                 .map_err(|e| ApplyError::Kernel(e.to_string()))?;
         }
         let took = start.elapsed();
-        // Costs what changed in the role-marked and guard sets (the models share structure);
-        // nothing at the first commit of a process, whose previous model is empty.
-        self.stale
-            .extend(conntrack::Plan::between(&self.model, &next));
+        // Costs what changed in the role-marked and guard sets (the models share structure).
+        // The first commit of a process has no previous model: it resyncs from `next` alone.
+        self.stale.extend(if self.adopted {
+            conntrack::Plan::between(&self.model, &next)
+        } else {
+            conntrack::Plan::resync(&next)
+        });
         self.guarded
             .extend(guards::Plan::between(&self.model, &next));
         self.model = next;

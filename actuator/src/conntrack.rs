@@ -17,7 +17,12 @@
 //!   stale.
 //!
 //! An address of all zeros stands for any local address (node ports): only the port is
-//! matched. Finding what changed walks only the changed parts of those sets (the models share
+//! matched.
+//!
+//! The first commit of a process has no previous model to compare with: the kernel kept the
+//! rules and conntrack its entries while no actuator ran, and endpoints may have gone meanwhile.
+//! That commit adds a [`Resync`]: every UDP entry to a destination the new model lists whose
+//! reply comes from none of its endpoints now is stale, as kube-proxy's full resync finds. Finding what changed walks only the changed parts of those sets (the models share
 //! structure), so a commit that touches none costs nothing and sends nothing to the kernel.
 //! Otherwise one dump of the family's UDP entries, then a delete per stale entry.
 
@@ -75,19 +80,20 @@ impl Stale {
 
 /// The stale entries one commit leaves.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan(BTreeSet<Stale>);
+pub struct Plan(BTreeSet<Stale>, Option<Resync>);
 
 impl FromIterator<Stale> for Plan {
     fn from_iter<I: IntoIterator<Item = Stale>>(iter: I) -> Self {
-        Plan(iter.into_iter().collect())
+        Plan(iter.into_iter().collect(), None)
     }
 }
 
 impl Plan {
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.0.is_empty() && self.1.as_ref().is_none_or(Resync::is_empty)
     }
 
+    /// Stale kinds named one by one (a resync counts as none).
     pub fn len(&self) -> usize {
         self.0.len()
     }
@@ -99,6 +105,18 @@ impl Plan {
     /// Adds another commit's plan (when one was not cleaned yet).
     pub fn extend(&mut self, other: Plan) {
         self.0.extend(other.0);
+        if other.1.is_some() {
+            self.1 = other.1;
+        }
+    }
+
+    /// The first commit of a process, of `new`: see [`Resync`].
+    pub fn resync(new: &Model) -> Plan {
+        Plan(BTreeSet::new(), Some(Resync::of(new)))
+    }
+
+    pub fn resync_part(&self) -> Option<&Resync> {
+        self.1.as_ref()
     }
 
     /// What committing `new` over `old` leaves stale.
@@ -136,10 +154,13 @@ impl Plan {
 
     /// The IP families with something to clean: AF_INET, AF_INET6.
     fn families(&self) -> BTreeSet<u8> {
+        let resync = self.1.iter().flat_map(|r| r.destinations.keys());
         self.0
             .iter()
-            .map(|s| {
-                if s.dst.is_ipv4() {
+            .map(|s| &s.dst)
+            .chain(resync)
+            .map(|dst| {
+                if dst.is_ipv4() {
                     netlink::AF_INET
                 } else {
                     netlink::AF_INET6
@@ -160,8 +181,85 @@ impl Plan {
                 by_port
                     .get(&e.orig.dport)
                     .is_some_and(|v| v.iter().any(|s| s.matches(e)))
+                    || self.1.as_ref().is_some_and(|r| r.stale(e))
             })
             .collect()
+    }
+}
+
+/// What a process's first commit makes stale, from the committed model alone: for each UDP
+/// destination it lists, the entries whose reply comes from none of the destination's
+/// endpoints (an endpoint that went while no actuator ran, or no DNAT though endpoints exist
+/// now), and for a destination without endpoints, the entries DNATed anywhere. Destinations
+/// the model does not list are left alone: what they were is not known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resync {
+    /// Destination (all-zeros address: a node port) -> its endpoints, empty for none.
+    destinations: HashMap<SocketAddr, BTreeSet<SocketAddr>>,
+    /// The addresses node ports answer on (`nodeport-ips`): an entry counts as a node port's
+    /// only when sent to one of them.
+    node_addresses: BTreeSet<IpAddr>,
+}
+
+impl Resync {
+    pub fn of(model: &Model) -> Resync {
+        let mut r = Resync::default();
+        for (tkey, table) in model.tables.iter() {
+            let ipv6 = table_is_ipv6(tkey);
+            for (name, set) in table.sets.iter() {
+                let role = ConntrackRole::try_from(set.def.conntrack).unwrap_or_default();
+                let is_node_ips = name == crate::healthcheck::NODEPORT_IPS;
+                if role == ConntrackRole::None && !is_node_ips {
+                    continue;
+                }
+                for e in set.decoded() {
+                    if is_node_ips {
+                        r.node_addresses.extend(e.key.first().and_then(ip_of));
+                    } else if role == ConntrackRole::Endpoints {
+                        if let Some((dst, ep)) = endpoint_of(&e, ipv6) {
+                            r.destinations.entry(dst).or_default().insert(ep);
+                        }
+                    } else if let Some((dst, _)) = udp_destination(&e.key, ipv6) {
+                        r.destinations.entry(dst).or_default();
+                    }
+                }
+            }
+        }
+        r
+    }
+
+    fn is_empty(&self) -> bool {
+        self.destinations.is_empty()
+    }
+
+    pub fn stale(&self, e: &Entry) -> bool {
+        let (o, r) = (&e.orig, &e.reply);
+        if o.proto != netlink::IPPROTO_UDP {
+            return false;
+        }
+        let any: IpAddr = if o.dst.is_ipv4() {
+            Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            Ipv6Addr::UNSPECIFIED.into()
+        };
+        let endpoints = self
+            .destinations
+            .get(&SocketAddr::new(o.dst, o.dport))
+            .or_else(|| {
+                self.node_addresses
+                    .contains(&o.dst)
+                    .then(|| self.destinations.get(&SocketAddr::new(any, o.dport)))
+                    .flatten()
+            });
+        let Some(endpoints) = endpoints else {
+            return false;
+        };
+        let not_nat = r.src == o.dst && r.sport == o.dport;
+        if endpoints.is_empty() {
+            !not_nat
+        } else {
+            !endpoints.contains(&SocketAddr::new(r.src, r.sport))
+        }
     }
 }
 

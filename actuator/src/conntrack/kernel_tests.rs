@@ -192,7 +192,11 @@ fn kernel_cleanup_deletes_exactly_the_stale_udp_entries() {
             applier
                 .apply_snapshot(&update(1), Model::from_ruleset(&before))
                 .unwrap();
-            assert!(applier.take_stale_conntrack().is_empty(), "first commit");
+            let first = applier.take_stale_conntrack();
+            assert!(
+                first.iter().next().is_none() && first.resync_part().is_some(),
+                "the first commit resyncs, nothing else: {first:?}"
+            );
 
             // One flow to each destination.
             for dst in [
@@ -274,6 +278,111 @@ fn kernel_cleanup_deletes_exactly_the_stale_udp_entries() {
 
             // Cleaning again finds nothing more (the entries are gone, nothing else matches).
             assert_eq!(cleaner.clean(&plan, &metrics), 0);
+            assert_eq!(list(ns), kept);
+        },
+    );
+}
+
+/// A restarted actuator's first commit: no previous model, the kernel's entries from before.
+/// Entries whose reply comes from none of their destination's endpoints now go; destinations
+/// the new model does not list, and entries to a destination still without endpoints that
+/// were not DNATed, stay.
+#[test]
+fn kernel_first_commit_resyncs_udp_entries_from_before_a_restart() {
+    netns::run(
+        "kernel_first_commit_resyncs_udp_entries_from_before_a_restart",
+        |ns| {
+            if !netns::tool_works("conntrack", "--version") || !netns::tool_works("ip", "-V") {
+                eprintln!("SKIP: `conntrack` (conntrack-tools) or `ip` is not installed");
+                return;
+            }
+            for cmd in [
+                "link set lo up",
+                "link add ctv0 type veth peer name ctv1",
+                "link set ctv0 up",
+                "link set ctv1 up",
+                "addr add 10.0.0.1/24 dev ctv0",
+                "addr add 10.0.0.2/32 dev ctv0",
+                "addr add 10.0.0.3/32 dev ctv0",
+                "route add 10.96.0.0/16 dev ctv0 src 10.0.0.1",
+            ] {
+                ns.run("ip", &cmd.split(' ').collect::<Vec<_>>());
+            }
+            let before = ruleset(
+                vec![
+                    endpoint("10.96.0.10", UDP, 53, 0, "10.0.0.2", 5353),
+                    endpoint("10.96.0.11", UDP, 53, 0, "10.0.0.3", 5353),
+                    endpoint("10.96.0.12", UDP, 53, 0, "10.0.0.2", 5353),
+                    endpoint("10.96.0.14", UDP, 53, 0, "10.0.0.2", 5353),
+                    endpoint("0.0.0.0", UDP, 30053, 0, "10.0.0.3", 5353),
+                ],
+                vec![
+                    destination("10.96.0.20", UDP, 53),
+                    destination("10.96.0.21", UDP, 53),
+                ],
+            );
+            let update = |generation| Update {
+                brain_epoch: 1,
+                generation,
+                ..Update::default()
+            };
+            let mut first_run = Applier::new(NftSocket::open().unwrap(), TABLE.to_owned());
+            first_run
+                .apply_snapshot(&update(1), Model::from_ruleset(&before))
+                .unwrap();
+            for dst in [
+                "10.96.0.10:53",
+                "10.96.0.11:53",
+                "10.96.0.12:53",
+                "10.96.0.14:53",
+                "10.96.0.20:53",
+                "10.96.0.21:53",
+                "10.0.0.1:30053",
+            ] {
+                let udp = UdpSocket::bind("10.0.0.1:0").unwrap();
+                udp.send_to(b"query", dst).unwrap();
+            }
+            assert_eq!(list(ns).len(), 7, "{:?}", list(ns));
+            drop(first_run);
+
+            // While no actuator ran: 10.96.0.11 and the node port moved to the other address,
+            // 10.96.0.12 lost 10.0.0.2, 10.96.0.20 got an endpoint, 10.96.0.14 went (unknown
+            // now), 10.96.0.10 and 10.96.0.21 stayed as they were.
+            let mut restart = ruleset(
+                vec![
+                    endpoint("10.96.0.10", UDP, 53, 0, "10.0.0.2", 5353),
+                    endpoint("10.96.0.11", UDP, 53, 0, "10.0.0.2", 5353),
+                    endpoint("10.96.0.12", UDP, 53, 0, "10.0.0.3", 5353),
+                    endpoint("10.96.0.20", UDP, 53, 0, "10.0.0.3", 5353),
+                    endpoint("0.0.0.0", UDP, 30053, 0, "10.0.0.2", 5353),
+                ],
+                vec![destination("10.96.0.21", UDP, 53)],
+            );
+            restart.tables[0].sets.push(splitproxy_proto::v1::Set {
+                name: crate::healthcheck::NODEPORT_IPS.to_owned(),
+                key: vec![splitproxy_proto::v1::DataType::Ipv4Addr as i32],
+                elements: vec![Element {
+                    key: vec![Datum {
+                        value: Some(Value::Ipv4(vec![10, 0, 0, 1])),
+                    }],
+                    ..Element::default()
+                }],
+                ..splitproxy_proto::v1::Set::default()
+            });
+            let mut second_run = Applier::new(NftSocket::open().unwrap(), TABLE.to_owned());
+            second_run
+                .apply_snapshot(&update(1), Model::from_ruleset(&restart))
+                .unwrap();
+            let plan = second_run.take_stale_conntrack();
+            let metrics = crate::metrics::Metrics::default();
+            assert_eq!(Cleaner::new().clean(&plan, &metrics), 4, "{:?}", list(ns));
+            let udp = |d: &str, r: &str| listed("udp", d, r);
+            let mut kept = vec![
+                udp("10.96.0.10:53", "10.0.0.2:5353"),
+                udp("10.96.0.14:53", "10.0.0.2:5353"),
+                udp("10.96.0.21:53", "10.96.0.21:53"),
+            ];
+            kept.sort();
             assert_eq!(list(ns), kept);
         },
     );
