@@ -126,11 +126,12 @@ impl Applier {
         let took = start.elapsed();
         // Costs what changed in the role-marked and guard sets (the models share structure).
         // The first commit of a process has no previous model: it resyncs from `next` alone.
-        self.stale.extend(if self.adopted {
+        let stale = if self.adopted {
             conntrack::Plan::between(&self.model, &next)
         } else {
             conntrack::Plan::resync(&next)
-        });
+        };
+        self.stale.extend(stale, &next);
         self.guarded
             .extend(guards::Plan::between(&self.model, &next));
         self.model = next;

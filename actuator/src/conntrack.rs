@@ -79,44 +79,56 @@ impl Stale {
 }
 
 /// The stale entries one commit leaves.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan(BTreeSet<Stale>, Option<Resync>);
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    stale: BTreeSet<Stale>,
+    /// After a process's first commit: the model a [`Resync`] judges by, built when cleaning
+    /// (after the ack), not on the apply path.
+    resync: Option<Model>,
+}
 
 impl FromIterator<Stale> for Plan {
     fn from_iter<I: IntoIterator<Item = Stale>>(iter: I) -> Self {
-        Plan(iter.into_iter().collect(), None)
+        Plan {
+            stale: iter.into_iter().collect(),
+            resync: None,
+        }
     }
 }
 
 impl Plan {
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty() && self.1.as_ref().is_none_or(Resync::is_empty)
+        self.stale.is_empty() && self.resync.is_none()
     }
 
     /// Stale kinds named one by one (a resync counts as none).
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.stale.len()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Stale> {
-        self.0.iter()
+        self.stale.iter()
     }
 
-    /// Adds another commit's plan (when one was not cleaned yet).
-    pub fn extend(&mut self, other: Plan) {
-        self.0.extend(other.0);
-        if other.1.is_some() {
-            self.1 = other.1;
+    /// Adds the plan of a commit of `new` (when one was not cleaned yet). A pending resync
+    /// judges by the newest model: an endpoint added since is not stale.
+    pub fn extend(&mut self, other: Plan, new: &Model) {
+        self.stale.extend(other.stale);
+        if other.resync.is_some() || self.resync.is_some() {
+            self.resync = Some(new.clone());
         }
     }
 
     /// The first commit of a process, of `new`: see [`Resync`].
     pub fn resync(new: &Model) -> Plan {
-        Plan(BTreeSet::new(), Some(Resync::of(new)))
+        Plan {
+            stale: BTreeSet::new(),
+            resync: Some(new.clone()),
+        }
     }
 
-    pub fn resync_part(&self) -> Option<&Resync> {
-        self.1.as_ref()
+    pub fn resyncs(&self) -> bool {
+        self.resync.is_some()
     }
 
     /// What committing `new` over `old` leaves stale.
@@ -144,7 +156,7 @@ impl Plan {
                     if let Ok(e) = Element::decode(&gone[..])
                         && let Some(stale) = stale_of(role, &e, removed, new, tkey)
                     {
-                        plan.0.insert(stale);
+                        plan.stale.insert(stale);
                     }
                 }
             }
@@ -152,15 +164,15 @@ impl Plan {
         plan
     }
 
-    /// The IP families with something to clean: AF_INET, AF_INET6.
+    /// The IP families with something to clean: AF_INET, AF_INET6 (both for a resync).
     fn families(&self) -> BTreeSet<u8> {
-        let resync = self.1.iter().flat_map(|r| r.destinations.keys());
-        self.0
+        if self.resync.is_some() {
+            return [netlink::AF_INET, netlink::AF_INET6].into();
+        }
+        self.stale
             .iter()
-            .map(|s| &s.dst)
-            .chain(resync)
-            .map(|dst| {
-                if dst.is_ipv4() {
+            .map(|s| {
+                if s.dst.is_ipv4() {
                     netlink::AF_INET
                 } else {
                     netlink::AF_INET6
@@ -169,10 +181,11 @@ impl Plan {
             .collect()
     }
 
-    /// The entries of `entries` that are stale.
-    pub fn select<'a>(&self, entries: &'a [Entry]) -> Vec<&'a Entry> {
+    /// The entries of `entries` that are stale; `resync` is [`Resync::of`] the plan's resync
+    /// model, if it has one.
+    pub fn select<'a>(&self, entries: &'a [Entry], resync: Option<&Resync>) -> Vec<&'a Entry> {
         let mut by_port: HashMap<u16, Vec<&Stale>> = HashMap::new();
-        for s in &self.0 {
+        for s in &self.stale {
             by_port.entry(s.dst.port()).or_default().push(s);
         }
         entries
@@ -181,7 +194,7 @@ impl Plan {
                 by_port
                     .get(&e.orig.dport)
                     .is_some_and(|v| v.iter().any(|s| s.matches(e)))
-                    || self.1.as_ref().is_some_and(|r| r.stale(e))
+                    || resync.is_some_and(|r| r.stale(e))
             })
             .collect()
     }
@@ -226,10 +239,6 @@ impl Resync {
             }
         }
         r
-    }
-
-    fn is_empty(&self) -> bool {
-        self.destinations.is_empty()
     }
 
     pub fn stale(&self, e: &Entry) -> bool {
@@ -431,9 +440,14 @@ impl Cleaner {
             None => self.socket.insert(CtSocket::open()?),
         };
         let mut total = Deleted::default();
+        let resync = plan.resync.as_ref().map(Resync::of);
         for family in plan.families() {
             let entries = sock.dump_udp(family)?;
-            let stale: Vec<Entry> = plan.select(&entries).into_iter().cloned().collect();
+            let stale: Vec<Entry> = plan
+                .select(&entries, resync.as_ref())
+                .into_iter()
+                .cloned()
+                .collect();
             for e in &stale {
                 tracing::debug!(entry = %e, "deleting stale conntrack entry");
             }

@@ -137,26 +137,34 @@ fn listed(proto: &str, orig_dst: &str, reply_src: &str) -> Listed {
     }
 }
 
+/// The module doc's topology; false (after saying why) when the tools are missing.
+fn topology(ns: &Netns) -> bool {
+    if !netns::tool_works("conntrack", "--version") || !netns::tool_works("ip", "-V") {
+        eprintln!("SKIP: `conntrack` (conntrack-tools) or `ip` is not installed");
+        return false;
+    }
+    for cmd in [
+        "link set lo up",
+        "link add ctv0 type veth peer name ctv1",
+        "link set ctv0 up",
+        "link set ctv1 up",
+        "addr add 10.0.0.1/24 dev ctv0",
+        "addr add 10.0.0.2/32 dev ctv0",
+        "addr add 10.0.0.3/32 dev ctv0",
+        "route add 10.96.0.0/16 dev ctv0 src 10.0.0.1",
+    ] {
+        ns.run("ip", &cmd.split(' ').collect::<Vec<_>>());
+    }
+    true
+}
+
 #[test]
 fn kernel_cleanup_deletes_exactly_the_stale_udp_entries() {
     netns::run(
         "kernel_cleanup_deletes_exactly_the_stale_udp_entries",
         |ns| {
-            if !netns::tool_works("conntrack", "--version") || !netns::tool_works("ip", "-V") {
-                eprintln!("SKIP: `conntrack` (conntrack-tools) or `ip` is not installed");
+            if !topology(ns) {
                 return;
-            }
-            for cmd in [
-                "link set lo up",
-                "link add ctv0 type veth peer name ctv1",
-                "link set ctv0 up",
-                "link set ctv1 up",
-                "addr add 10.0.0.1/24 dev ctv0",
-                "addr add 10.0.0.2/32 dev ctv0",
-                "addr add 10.0.0.3/32 dev ctv0",
-                "route add 10.96.0.0/16 dev ctv0 src 10.0.0.1",
-            ] {
-                ns.run("ip", &cmd.split(' ').collect::<Vec<_>>());
             }
             let before = ruleset(
                 vec![
@@ -194,7 +202,7 @@ fn kernel_cleanup_deletes_exactly_the_stale_udp_entries() {
                 .unwrap();
             let first = applier.take_stale_conntrack();
             assert!(
-                first.iter().next().is_none() && first.resync_part().is_some(),
+                first.iter().next().is_none() && first.resyncs(),
                 "the first commit resyncs, nothing else: {first:?}"
             );
 
@@ -292,21 +300,8 @@ fn kernel_first_commit_resyncs_udp_entries_from_before_a_restart() {
     netns::run(
         "kernel_first_commit_resyncs_udp_entries_from_before_a_restart",
         |ns| {
-            if !netns::tool_works("conntrack", "--version") || !netns::tool_works("ip", "-V") {
-                eprintln!("SKIP: `conntrack` (conntrack-tools) or `ip` is not installed");
+            if !topology(ns) {
                 return;
-            }
-            for cmd in [
-                "link set lo up",
-                "link add ctv0 type veth peer name ctv1",
-                "link set ctv0 up",
-                "link set ctv1 up",
-                "addr add 10.0.0.1/24 dev ctv0",
-                "addr add 10.0.0.2/32 dev ctv0",
-                "addr add 10.0.0.3/32 dev ctv0",
-                "route add 10.96.0.0/16 dev ctv0 src 10.0.0.1",
-            ] {
-                ns.run("ip", &cmd.split(' ').collect::<Vec<_>>());
             }
             let before = ruleset(
                 vec![

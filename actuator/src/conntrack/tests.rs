@@ -312,7 +312,7 @@ fn selects_entries_like_kube_proxy_filters() {
         entry((client, "10.96.0.10:54"), ("10.244.1.5:5353", client), 17),
     ];
     let picked: Vec<usize> = p
-        .select(&entries)
+        .select(&entries, None)
         .into_iter()
         .map(|e| entries.iter().position(|x| std::ptr::eq(x, e)).unwrap())
         .collect();
