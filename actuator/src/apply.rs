@@ -1,7 +1,7 @@
 //! Turns updates into nf_tables transactions. The actuator keeps a model of what it committed,
 //! so a delta becomes exactly the netlink messages for what changed (no table dumps), and a
 //! snapshot is diffed against the model first. Every update is ONE transaction: if the kernel
-//! rejects it, nothing changed and the model stays as it was (invariant 3).
+//! rejects it, nothing changed and the model stays as it was (the "atomic" invariant, docs/invariants.md).
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -50,7 +50,7 @@ pub struct Applier {
     guarded: guards::Plan,
     /// False until the first commit of this process: the kernel may still hold the table a
     /// previous run left, which the first snapshot replaces atomically (restart without
-    /// disruption, invariant 5).
+    /// disruption, docs/invariants.md).
     adopted: bool,
 }
 
@@ -160,7 +160,7 @@ impl Applier {
         } else {
             // First update of this process: the kernel may hold a table from a previous run.
             // Replace it whole, in one transaction, so packets see either the old table or the
-            // new one (invariant 5).
+            // new one (restart without disruption).
             for (family, name) in target.tables.keys() {
                 let family_ok = matches!(Family::try_from(*family), Ok(Family::Ip | Family::Ip6));
                 if !family_ok || *name != self.table {

@@ -1,6 +1,6 @@
 //! The actuator's stream to a brain: connect over mTLS to one of several brains, say what is
 //! applied, apply every update and answer it. When the stream breaks, back off and try the next
-//! brain; the kernel keeps the last applied rules meanwhile (fail static, invariant 1).
+//! brain; the kernel keeps the last applied rules meanwhile (fail static, docs/invariants.md).
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 

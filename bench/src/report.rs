@@ -737,7 +737,7 @@ fn why(r: &BenchResult, figure: &str) -> String {
     }
     if figure.contains("kernel apply") || figure.contains("cold start") {
         return "The actuator's apply is one nf_tables transaction; every commit walks the table's chains and validates \
-                new jumps (see ../shared/DESIGN.md), so its floor follows the ruleset's shape."
+                new jumps (see docs/ruleset.md), so its floor follows the ruleset's shape."
             .into();
     }
     if figure.contains("memory") {

@@ -2,7 +2,7 @@
 //!
 //! Each Service's share of the ruleset (its [`Contribution`]) is remembered, so a change to a
 //! Service or its slices costs recomputing that Service and moving its elements, whatever the
-//! size of the cluster (invariant 4). The model is persistent: publishing it is an O(1) clone,
+//! size of the cluster ("cost follows the change", docs/invariants.md). The model is persistent: publishing it is an O(1) clone,
 //! and versions share structure so that nodes' deltas are cheap diffs.
 //!
 //! Node overlays ([`crate::overlay`]) add elements to the sets defined here; dynamic sets

@@ -3,7 +3,7 @@
 //! The index task publishes a new [`Desired`] (one persistent model per node variant) through a
 //! `watch` channel; a node's session waits for its previous update to be acked, then sends
 //! whatever changed since, so a slow node is never queued more than one update and always gets
-//! the coalesced latest state (invariant 8).
+//! the coalesced latest state ("bounded under slow nodes", docs/invariants.md).
 //!
 //! Every distinct update body (a delta between two published versions of a variant, or a
 //! snapshot of one) is computed and encoded once and shared, as bytes, by every node that needs

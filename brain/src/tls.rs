@@ -1,6 +1,6 @@
 //! mTLS for the brain's gRPC server: a server certificate, and client certificates required
 //! and verified against a CA. A node's certificate names the node (common name or DNS SAN), and
-//! that name decides which node's state the stream may receive (invariant 7).
+//! that name decides which node's state the stream may receive ("node scoped", docs/invariants.md).
 use std::path::Path;
 
 use tonic::Request;

@@ -1,6 +1,6 @@
 //! One watch per resource on the API server (streaming lists), feeding a single task that owns
 //! the index. Nothing is published before every initial list is complete, and a relist swaps the
-//! resource in whole when it is done, so nodes never see a half-loaded cluster (invariant 2).
+//! resource in whole when it is done, so nodes never see a half-loaded cluster ("no empty push", docs/invariants.md).
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;

@@ -1,4 +1,4 @@
-//! Unit tier of the brain (DESIGN.md, "Test environment"): Services and EndpointSlices in,
+//! Unit tier of the brain (docs/testing.md): Services and EndpointSlices in,
 //! ruleset IR out, through the same reductions the watches use (`objects::service`,
 //! `objects::slice`), the index and `rules::ruleset`.
 //!
@@ -1029,7 +1029,7 @@ fn generated_cluster_keeps_the_invariants() {
 
 /// Service churn and endpoint churn move elements only: the chains a delta carries are the
 /// `services` chain when a count above the preallocated ones appears or goes, and never with a
-/// jump (DESIGN.md: every added jump makes the kernel validate the whole table).
+/// jump (docs/ruleset.md: every added jump makes the kernel validate the whole table).
 #[test]
 fn churn_moves_elements_not_jumps() {
     let (services, objects) = generated(7, 100);

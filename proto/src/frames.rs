@@ -7,7 +7,7 @@
 //! shared tail ([`encode_tail`]: trigger times, objects) and the node's own small part
 //! ([`encode_node_part`]: its overlay's change and the digest). The brain pays the shared
 //! encoding once per distinct update, and per node only its own part and the copy into the
-//! stream (invariant 4).
+//! stream ("cost follows the change", docs/invariants.md).
 use bytes::{Buf, BufMut, Bytes};
 use prost::Message;
 use prost::encoding::{DecodeContext, WireType};

@@ -4,7 +4,7 @@
 //!
 //! Why persistent maps: cloning a model is O(1) and two versions of one model share every
 //! subtree that did not change, so [`Model::diff`] skips shared subtrees and costs what changed,
-//! not what exists (invariant 4). Why an additive digest: the digest is a sum of per-object
+//! not what exists ("cost follows the change", docs/invariants.md). Why an additive digest: the digest is a sum of per-object
 //! hashes, updated on every insert and remove, so proving what a node holds never re-hashes the
 //! whole ruleset.
 //!

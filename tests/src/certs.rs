@@ -1,7 +1,7 @@
 //! Throwaway PKI for tests: a CA, server certificates and client certificates.
 //!
 //! The brain and the actuators talk mTLS, and the actuator's client certificate decides which
-//! node's state it may receive (invariant 7), so end-to-end tests need a CA, a brain serving
+//! node's state it may receive ("node scoped", docs/invariants.md), so end-to-end tests need a CA, a brain serving
 //! certificate and one client certificate per node whose CN (and a DNS SAN) is the node name.
 //! The control plane uses the same CA for the API server's serving certificate and for client
 //! authentication. Keys are ECDSA P-256 in PKCS#8 PEM, which rustls, Go and kube-apiserver read.

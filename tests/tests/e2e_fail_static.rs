@@ -1,4 +1,4 @@
-//! Fail static (invariant 1) and restart without disruption (invariant 5), with real traffic:
+//! Fail static and restart without disruption (docs/invariants.md), with real traffic:
 //! a node keeps forwarding while the brain is gone, resyncs when it returns, and an actuator
 //! restart neither flushes nor interrupts anything.
 use std::net::SocketAddr;

@@ -1,6 +1,6 @@
 //! From the index to a node's ruleset IR.
 //!
-//! The shape is chosen for the kernel's costs (see DESIGN.md, "nftables facts"): Services live
+//! The shape is chosen for the kernel's costs (see docs/ruleset.md, "What the kernel charges"): Services live
 //! in a few large sets and maps, never in chains of their own, and no rule or element a Service
 //! change touches carries a jump or goto, so the kernel never re-validates the table for it.
 //! Destinations are keyed `addr . proto . port` (ClusterIPs, externalIPs, LB IPs) or
