@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
 use splitproxy_proto::model::Model;
+use splitproxy_proto::transport;
 use splitproxy_proto::v1::dataplane_client::DataplaneClient;
 use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, Update, sync_request, update::Body};
 use tokio::sync::mpsc;
@@ -82,9 +83,9 @@ async fn connect(config: &ClientConfig, brain: &str) -> anyhow::Result<Channel> 
         .domain_name(domain);
     Ok(Channel::builder(uri)
         .tls_config(tls)?
-        .connect_timeout(Duration::from_secs(5))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20))
+        .connect_timeout(transport::CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(transport::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(transport::KEEPALIVE_TIMEOUT)
         .connect()
         .await?)
 }
@@ -97,7 +98,8 @@ async fn stream_once(
     after: &AfterCommit,
 ) -> anyhow::Result<()> {
     let channel = connect(config, brain).await?;
-    let mut client = DataplaneClient::new(channel).max_decoding_message_size(1 << 30);
+    let mut client =
+        DataplaneClient::new(channel).max_decoding_message_size(transport::MAX_UPDATE_MESSAGE);
     let applied = applier
         .lock()
         .map_err(|_| anyhow::anyhow!("applier poisoned"))?

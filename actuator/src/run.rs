@@ -74,13 +74,6 @@ async fn log_err(what: &'static str, f: impl std::future::Future<Output = std::i
 }
 
 async fn shutdown() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    splitproxy_proto::process::shutdown_signal().await;
     tracing::info!("shutting down; the applied rules stay in the kernel");
 }

@@ -180,7 +180,8 @@ impl VirtualFleet {
             .connect_timeout(Duration::from_secs(30))
             .connect()
             .await?;
-        let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(1 << 30);
+        let mut grpc = tonic::client::Grpc::new(channel)
+            .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE);
         grpc.ready().await?;
         let (tx, rx) = mpsc::channel(4);
         let applied = held.as_ref().map(|h| v1::Applied {

@@ -24,25 +24,11 @@ fn main() -> anyhow::Result<()> {
             // and removes its namespaces.
             tokio::select! {
                 r = splitproxy_bench::run::run(cli.bench) => r.map(drop),
-                s = shutdown() => {
-                    eprintln!("[bench] {s}: stopping every component");
-                    Err(anyhow::anyhow!("interrupted by {s}"))
+                _ = splitproxy_proto::process::shutdown_signal() => {
+                    eprintln!("[bench] interrupted: stopping every component");
+                    Err(anyhow::anyhow!("interrupted by a signal"))
                 }
             }
         }),
-    }
-}
-
-async fn shutdown() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
     }
 }

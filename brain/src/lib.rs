@@ -16,16 +16,4 @@ pub mod server;
 pub mod tls;
 pub mod watch;
 
-/// Installs the tracing subscriber: `RUST_LOG` filters, `format` is "text" or "json".
-pub fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
+pub use splitproxy_proto::process::init_logging;

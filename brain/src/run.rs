@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use splitproxy_proto::frames_server::dataplane_server::DataplaneServer;
+use splitproxy_proto::transport;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
@@ -141,14 +142,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Server::builder()
         .tls_config(tls)
         .context("configuring TLS")?
-        .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
+        .http2_keepalive_interval(Some(transport::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(transport::KEEPALIVE_TIMEOUT))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
             DataplaneServer::new(service)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(1 << 30),
+                .max_decoding_message_size(transport::MAX_REQUEST_MESSAGE)
+                .max_encoding_message_size(transport::MAX_ENCODED_MESSAGE),
         )
         .serve_with_incoming_shutdown(no_delay(grpc), shutdown())
         .await
@@ -170,14 +171,7 @@ async fn kube_client(args: &Args) -> anyhow::Result<kube::Client> {
 }
 
 async fn shutdown() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    splitproxy_proto::process::shutdown_signal().await;
     tracing::info!("shutting down");
 }
 

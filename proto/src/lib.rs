@@ -6,8 +6,10 @@
 pub mod frames;
 pub mod model;
 pub mod parts;
+pub mod process;
 pub mod prom;
 pub mod render;
+pub mod transport;
 
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {

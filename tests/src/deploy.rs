@@ -419,7 +419,7 @@ pub async fn grpc_client(
         .await?;
     Ok(
         splitproxy_proto::v1::dataplane_client::DataplaneClient::new(channel)
-            .max_decoding_message_size(1 << 30),
+            .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE),
     )
 }
 

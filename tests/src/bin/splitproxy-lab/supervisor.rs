@@ -149,12 +149,12 @@ async fn supervise(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
     }
     let listener = UnixListener::bind(control::socket_path(state_dir))?;
     eprintln!("{}", serde_json::to_string_pretty(&status(&lab))?);
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let signal = splitproxy_proto::process::shutdown_signal();
+    tokio::pin!(signal);
     let (down_tx, mut down_rx) = tokio::sync::mpsc::channel::<()>(1);
     loop {
         tokio::select! {
-            _ = term.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
+            _ = &mut signal => break,
             _ = down_rx.recv() => break,
             conn = listener.accept() => {
                 let (stream, _) = conn?;
