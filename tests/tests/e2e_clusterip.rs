@@ -108,7 +108,18 @@ async fn clusterip_follows_endpoints_end_to_end() {
     );
     assert_eq!(seen.len(), 2, "only the two backends answer: {seen:?}");
 
-    // UDP works, and reaches both backends too.
+    // UDP works, and reaches both backends too. Converging on the web Service says nothing
+    // about the dns one: its Service, slice and pods were created after web's, and under load
+    // the brain can publish them one pacing interval later (this check once saw a round before
+    // that). Wait until every node holds the brain's latest state, then for a UDP round that
+    // only the dns backends answer, before asserting that both do.
+    lab.wait_synced(Duration::from_secs(10))
+        .await
+        .expect("nodes in sync");
+    converge(&client, Proto::Udp, dns, Duration::from_secs(10), |s| {
+        s.keys().all(|k| k.starts_with("dns-"))
+    })
+    .await;
     let seen = answers(&client, Proto::Udp, dns, 30).await;
     assert_eq!(
         seen.keys().cloned().collect::<Vec<_>>(),
