@@ -4,9 +4,16 @@
 //! topology hints, terminating endpoints, service-proxy-name).
 //!
 //! Each case states its expectations as facts about set contents per node, and keeps a golden
-//! file (`tests/golden/semantics/<case>.<node>.nft`) with the node's non-empty sets in nft
+//! file (`brain/tests/golden/semantics/<case>.<node>.nft`) with the node's non-empty sets in nft
 //! syntax, so a reviewer can read what a node holds. `UPDATE_GOLDEN=1` rewrites them.
-//! Packets through these rules are tested end to end in `tests/tests/e2e_semantics.rs`.
+//!
+//! Packets through these rules are tested end to end, in the lab's namespaces:
+//! `tests/tests/e2e_external.rs` (NodePort, LoadBalancer source ranges, externalIPs,
+//! externalTrafficPolicy Local, healthCheckNodePort, masquerading and hairpin per
+//! `--detect-local-mode`), `tests/tests/e2e_internal.rs` (internalTrafficPolicy Local, topology
+//! hints, session affinity, terminating endpoints, service-proxy-name) and
+//! `tests/tests/e2e_lab_scenario.rs` (the `tests/lab/scenarios` replays: a Local-policy NodePort,
+//! LoadBalancer source ranges). `docs/semantics.md` maps each behaviour to its tests.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
