@@ -72,7 +72,7 @@ impl Desired {
     }
 
     pub fn table_key(&self, ipv6: bool) -> TableKey {
-        (rules::family(ipv6) as i32, self.config.table.clone())
+        (rules::family(ipv6), self.config.table.clone())
     }
 
     pub fn has_table(&self, ipv6: bool) -> bool {
