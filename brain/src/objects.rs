@@ -7,6 +7,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
+use splitproxy_proto::family::IpFamily;
 
 use crate::metrics::Metrics;
 
@@ -134,7 +135,8 @@ pub struct SliceInfo {
     pub key: ObjectKey,
     /// The Service this slice belongs to (its `kubernetes.io/service-name` label).
     pub service: ObjectKey,
-    pub ipv6: bool,
+    /// `addressType`: every address of the slice is of this family.
+    pub family: IpFamily,
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<Endpoint>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, if the controller set it.
@@ -345,9 +347,9 @@ pub fn usable_endpoint_ip(ip: IpAddr) -> bool {
 pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>> {
     let key = ObjectKey::of(slice);
     let service_name = slice.labels().get(SERVICE_NAME_LABEL)?.clone();
-    let ipv6 = match slice.address_type.as_str() {
-        "IPv4" => false,
-        "IPv6" => true,
+    let family = match slice.address_type.as_str() {
+        "IPv4" => IpFamily::V4,
+        "IPv6" => IpFamily::V6,
         _ => return None,
     };
     let mut ports = Vec::new();
@@ -374,7 +376,7 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
         let mut addresses = Vec::new();
         for raw in &ep.addresses {
             match raw.parse::<IpAddr>() {
-                Ok(ip) if ip.is_ipv6() == ipv6 && usable_endpoint_ip(ip) => addresses.push(ip),
+                Ok(ip) if family.holds(ip) && usable_endpoint_ip(ip) => addresses.push(ip),
                 _ => {
                     metrics.invalid("EndpointSlice", "endpoint_address_unusable");
                     tracing::warn!(slice = %key, address = %raw, address_type = %slice.address_type,
@@ -415,7 +417,7 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
     Some(Arc::new(SliceInfo {
         service: ObjectKey::new(key.namespace.clone(), service_name),
         key,
-        ipv6,
+        family,
         ports,
         endpoints,
         trigger_time,
@@ -434,8 +436,8 @@ pub fn node(node: &Node) -> NodeInfo {
     let of = |ty: &'static str| addrs.iter().filter(move |(t, _)| *t == ty).map(|(_, a)| *a);
     let addresses: Vec<IpAddr> = of("InternalIP").chain(of("ExternalIP")).collect();
     let mut primary = Vec::new();
-    for v6 in [false, true] {
-        if let Some(a) = addresses.iter().find(|a| a.is_ipv6() == v6) {
+    for family in IpFamily::ALL {
+        if let Some(a) = addresses.iter().find(|a| family.holds(**a)) {
             primary.push(*a);
         }
     }
