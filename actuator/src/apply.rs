@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use splitproxy_proto::model::element_key_bytes;
-use splitproxy_proto::model::{Model, TableKey, family_name};
+use splitproxy_proto::model::{Model, TableKey};
 use splitproxy_proto::v1::{Family, Table, TableRemoval, Update, update::Body};
 
 use crate::nft::{Batch, NftSocket};
@@ -162,10 +162,10 @@ impl Applier {
             // Replace it whole, in one transaction, so packets see either the old table or the
             // new one (restart without disruption).
             for (family, name) in target.tables.keys() {
-                let family_ok = matches!(Family::try_from(*family), Ok(Family::Ip | Family::Ip6));
+                let family_ok = matches!(family, Family::Ip | Family::Ip6);
                 if !family_ok || *name != self.table {
                     return Err(ApplyError::ForeignTable(
-                        family_name(*family),
+                        family.nft_name(),
                         name.clone(),
                         self.table.clone(),
                     ));
@@ -186,7 +186,7 @@ impl Applier {
         const CHUNK: usize = 2048;
         let enc = |e: crate::nft::EncodeError| ApplyError::Encode(e.to_string());
         for ((family, name), tm) in model.tables.iter() {
-            let fam = Family::try_from(*family).unwrap_or(Family::Unspecified);
+            let fam = *family;
             b.add_table(fam, name, &tm.comment);
             for c in tm.chains.values() {
                 b.add_chain(fam, name, c);
@@ -230,7 +230,7 @@ impl Applier {
             let family_ok = matches!(Family::try_from(family), Ok(Family::Ip | Family::Ip6));
             if !family_ok || *name != self.table {
                 return Err(ApplyError::ForeignTable(
-                    family_name(family),
+                    Family::try_from(family).unwrap_or_default().nft_name(),
                     name.clone(),
                     self.table.clone(),
                 ));
@@ -265,12 +265,12 @@ impl Applier {
         let whole_removed: BTreeSet<TableKey> = remove
             .iter()
             .filter(|r| r.whole)
-            .map(|r| (r.family, r.name.clone()))
+            .map(|r| (r.family(), r.name.clone()))
             .collect();
 
         // 1. New tables, chains and sets that do not exist yet.
         for up in upsert {
-            let key = (up.family, up.name.clone());
+            let key = (up.family(), up.name.clone());
             let old = base.tables.get(&key).unwrap_or(&empty);
             let removed_sets: BTreeSet<&String> = remove
                 .iter()
@@ -298,7 +298,7 @@ impl Applier {
         // 2. Elements that go away, and elements whose value changes (the kernel refuses to
         //    overwrite a map element's value in place).
         for rm in remove.iter().filter(|r| !r.whole) {
-            let Some(old) = base.tables.get(&(rm.family, rm.name.clone())) else {
+            let Some(old) = base.tables.get(&(rm.family(), rm.name.clone())) else {
                 continue;
             };
             for se in &rm.elements {
@@ -317,7 +317,7 @@ impl Applier {
                 r.elements.iter().flat_map(move |se| {
                     se.elements.iter().map(move |e| {
                         (
-                            (r.family, r.name.clone()),
+                            (r.family(), r.name.clone()),
                             se.set.as_str(),
                             element_key_bytes(e),
                         )
@@ -326,10 +326,10 @@ impl Applier {
             })
             .collect();
         for up in upsert {
-            let Some(old) = base.tables.get(&(up.family, up.name.clone())) else {
+            let Some(old) = base.tables.get(&(up.family(), up.name.clone())) else {
                 continue;
             };
-            let tkey: TableKey = (up.family, up.name.clone());
+            let tkey: TableKey = (up.family(), up.name.clone());
             for s in &up.sets {
                 let Some(sm) = old
                     .sets
@@ -359,7 +359,7 @@ impl Applier {
         }
         // 3. Rules of chains that are replaced or removed.
         for up in upsert {
-            if let Some(old) = base.tables.get(&(up.family, up.name.clone())) {
+            if let Some(old) = base.tables.get(&(up.family(), up.name.clone())) {
                 for c in up
                     .chains
                     .iter()
@@ -410,7 +410,7 @@ impl Applier {
             }
         }
         for (family, name) in &whole_removed {
-            b.del_table(fam(*family), name);
+            b.del_table(*family, name);
         }
         Ok(())
     }

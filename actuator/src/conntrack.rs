@@ -343,7 +343,7 @@ fn udp_destination(key: &[Datum], ipv6: bool) -> Option<(SocketAddr, usize)> {
 }
 
 fn table_is_ipv6(tkey: &TableKey) -> bool {
-    tkey.0 == splitproxy_proto::v1::Family::Ip6 as i32
+    tkey.0 == splitproxy_proto::v1::Family::Ip6
 }
 
 /// The destination and endpoint of an endpoints-map element with a UDP key.

@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, HashSet};
 use imbl::ordmap::DiffItem;
 use prost::Message;
 use splitproxy_proto::model::{Model, TableKey};
-use splitproxy_proto::v1::{Element, Family};
+use splitproxy_proto::v1::Element;
 
 use crate::metrics::Metrics;
 use crate::nft::{Batch, CommitError, DataMapLayout, EncodeError, NftSocket, RawElement};
@@ -263,7 +263,7 @@ impl Cleaner {
         let mut batch = Batch::new();
         let mut deleted = 0;
         for (((family, table), map), guarded) in &plan.maps {
-            let family = Family::try_from(*family).unwrap_or(Family::Unspecified);
+            let family = *family;
             let entries =
                 sock.dump_elements(family, table, map)
                     .map_err(|source| CleanError::Dump {

@@ -62,7 +62,7 @@ pub struct Service {
 /// The health check ports `model` asks for, from the [`SET`] of `ip <table>`. Malformed
 /// elements are skipped.
 pub fn desired(model: &Model, table: &str) -> BTreeMap<u16, Service> {
-    let key = (Family::Ip as i32, table.to_owned());
+    let key = (Family::Ip, table.to_owned());
     let mut out: BTreeMap<u16, Service> = model.set(&key, SET).map(desired_of).unwrap_or_default();
     if let Some(local) = model.set(&key, LOCAL_SET) {
         for (port, counted) in desired_of(local) {
@@ -147,7 +147,7 @@ impl Running {
 pub fn nodeport_addresses(model: &Model, table: &str) -> Vec<IpAddr> {
     let mut out = Vec::new();
     for family in [Family::Ip, Family::Ip6] {
-        let key = (family as i32, table.to_owned());
+        let key = (family, table.to_owned());
         let Some(set) = model.set(&key, NODEPORT_IPS) else {
             continue;
         };
@@ -199,7 +199,7 @@ impl HealthCheckServers {
     /// Brings the servers in line with `model` (see the module doc). Cheap when the set did
     /// not change and no port is waiting for a retry.
     pub async fn reconcile_model(&mut self, model: &Model, table: &str) {
-        let key = (Family::Ip as i32, table.to_owned());
+        let key = (Family::Ip, table.to_owned());
         let mut addresses = nodeport_addresses(model, table);
         if addresses.is_empty() {
             addresses = self.fallback.clone();

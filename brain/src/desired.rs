@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use prost::Message;
+use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
 use splitproxy_proto::v1::{RulesetDelta, Set};
 
@@ -21,19 +22,15 @@ use crate::rules::contribution::ServiceEndpoints;
 use crate::rules::{self, Contribution, DynSet, NodeView, RulesConfig, chains, contribution};
 
 /// A Service's contributions to the ip and ip6 tables.
-#[derive(Debug, Clone, Default, PartialEq)]
-struct ServiceShare {
-    v4: Contribution,
-    v6: Contribution,
-}
+type ServiceShare = PerFamily<Contribution>;
 
 pub struct Desired {
     config: RulesConfig,
     view: NodeView,
     model: Model,
     shares: HashMap<ObjectKey, ServiceShare>,
-    /// Uses of each dynamic set, per family (false: ip, true: ip6), by Services and overlays.
-    dyn_refs: BTreeMap<(bool, DynSet), usize>,
+    /// Uses of each dynamic set, per family, by Services and overlays.
+    dyn_refs: BTreeMap<(IpFamily, DynSet), usize>,
     /// Services with any IPv6 share (the ip6 table exists while there are any).
     v6_services: HashSet<ObjectKey>,
     /// Grows whenever a table appears or goes, so overlays know to recompute.
@@ -71,18 +68,18 @@ impl Desired {
         self.layout
     }
 
-    pub fn table_key(&self, ipv6: bool) -> TableKey {
-        (rules::family(ipv6) as i32, self.config.table.clone())
+    pub fn table_key(&self, family: IpFamily) -> TableKey {
+        (family.into(), self.config.table.clone())
     }
 
-    pub fn has_table(&self, ipv6: bool) -> bool {
-        self.model.tables.contains_key(&self.table_key(ipv6))
+    pub fn has_table(&self, family: IpFamily) -> bool {
+        self.model.tables.contains_key(&self.table_key(family))
     }
 
     /// The definition of a set of a family's table.
-    pub fn set_def(&self, ipv6: bool, name: &str) -> Option<Set> {
+    pub fn set_def(&self, family: IpFamily, name: &str) -> Option<Set> {
         self.model
-            .set(&self.table_key(ipv6), name)
+            .set(&self.table_key(family), name)
             .map(|s| (*s.def).clone())
     }
 
@@ -94,14 +91,14 @@ impl Desired {
         self.v6_services.clear();
         self.computed.clear();
         self.layout += 1;
-        self.add_skeleton(false);
+        self.add_skeleton(IpFamily::V4);
         if rules::wants_ipv6(&self.config) {
-            self.add_skeleton(true);
+            self.add_skeleton(IpFamily::V6);
         }
     }
 
-    fn add_skeleton(&mut self, ipv6: bool) {
-        let table = rules::skeleton(&self.config, ipv6, &rules::preallocated());
+    fn add_skeleton(&mut self, family: IpFamily) {
+        let table = rules::skeleton(&self.config, family, &rules::preallocated());
         self.model.apply(&RulesetDelta {
             upsert: vec![table],
             remove: vec![],
@@ -123,31 +120,30 @@ impl Desired {
                 Some(svc) => {
                     let eps = Arc::new(ServiceEndpoints::of(index, svc));
                     self.computed.insert(key.clone(), eps.clone());
-                    ServiceShare {
-                        v4: contribution::global(svc, &eps, false),
-                        v6: contribution::global(svc, &eps, true),
-                    }
+                    PerFamily::from_fn(|family| contribution::global(svc, &eps, family))
                 }
                 None => ServiceShare::default(),
             };
             let old = self.shares.remove(key).unwrap_or_default();
+            let holds_any = new.values().any(|c| !c.is_empty());
             if old == new {
-                if !new.v4.is_empty() || !new.v6.is_empty() {
+                if holds_any {
                     self.shares.insert(key.clone(), new);
                 }
                 continue;
             }
-            if !new.v6.is_empty() && !self.has_table(true) {
-                self.add_skeleton(true);
+            if !new.v6.is_empty() && !self.has_table(IpFamily::V6) {
+                self.add_skeleton(IpFamily::V6);
             }
-            self.replace(false, &old.v4, &new.v4);
-            self.replace(true, &old.v6, &new.v6);
+            for family in IpFamily::ALL {
+                self.replace(family, &old[family], &new[family]);
+            }
             if new.v6.is_empty() {
                 self.v6_services.remove(key);
             } else {
                 self.v6_services.insert(key.clone());
             }
-            if !new.v4.is_empty() || !new.v6.is_empty() {
+            if holds_any {
                 self.shares.insert(key.clone(), new);
             }
         }
@@ -161,63 +157,69 @@ impl Desired {
     /// Removes the ip6 table when nothing needs it any more (after Services and overlays are
     /// up to date, so that no overlay still counts on it).
     pub fn prune(&mut self) {
-        if self.v6_services.is_empty() && !rules::wants_ipv6(&self.config) && self.has_table(true) {
-            let key = self.table_key(true);
+        if self.v6_services.is_empty()
+            && !rules::wants_ipv6(&self.config)
+            && self.has_table(IpFamily::V6)
+        {
+            let key = self.table_key(IpFamily::V6);
             self.model.remove_table(&key);
-            self.dyn_refs.retain(|(v6, _), _| !*v6);
+            self.dyn_refs
+                .retain(|(family, _), _| *family != IpFamily::V6);
             self.layout += 1;
         }
     }
 
     /// A Service or a node overlay starts using a dynamic set.
-    pub fn acquire(&mut self, ipv6: bool, d: DynSet) {
-        let c = self.dyn_refs.entry((ipv6, d)).or_default();
+    pub fn acquire(&mut self, family: IpFamily, d: DynSet) {
+        let c = self.dyn_refs.entry((family, d)).or_default();
         *c += 1;
-        if *c == 1 && !rules::is_preallocated(d) && self.has_table(ipv6) {
-            let table = self.table_key(ipv6);
-            self.model.upsert_set(&table, &d.def(ipv6));
-            self.refresh_chains(ipv6);
+        if *c == 1 && !rules::is_preallocated(d) && self.has_table(family) {
+            let table = self.table_key(family);
+            self.model.upsert_set(&table, &d.def(family));
+            self.refresh_chains(family);
         }
     }
 
     /// ... and stops using it.
-    pub fn release(&mut self, ipv6: bool, d: DynSet) {
-        let Some(c) = self.dyn_refs.get_mut(&(ipv6, d)) else {
+    pub fn release(&mut self, family: IpFamily, d: DynSet) {
+        let Some(c) = self.dyn_refs.get_mut(&(family, d)) else {
             return;
         };
         *c = c.saturating_sub(1);
         if *c == 0 {
-            self.dyn_refs.remove(&(ipv6, d));
-            if !rules::is_preallocated(d) && self.has_table(ipv6) {
-                let table = self.table_key(ipv6);
+            self.dyn_refs.remove(&(family, d));
+            if !rules::is_preallocated(d) && self.has_table(family) {
+                let table = self.table_key(family);
                 self.model.remove_set(&table, &d.name());
-                self.refresh_chains(ipv6);
+                self.refresh_chains(family);
             }
         }
     }
 
-    fn refresh_chains(&mut self, ipv6: bool) {
+    fn refresh_chains(&mut self, family: IpFamily) {
         let mut in_use = rules::preallocated();
         in_use.extend(
             self.dyn_refs
                 .keys()
-                .filter(|(v6, _)| *v6 == ipv6)
+                .filter(|(f, _)| *f == family)
                 .map(|(_, d)| *d),
         );
-        let table = self.table_key(ipv6);
+        let table = self.table_key(family);
+        self.model.upsert_chain(
+            &table,
+            chains::services_chain(&self.config, family, &in_use),
+        );
         self.model
-            .upsert_chain(&table, chains::services_chain(&self.config, ipv6, &in_use));
-        self.model
-            .upsert_chain(&table, chains::affinity_record_chain(ipv6, &in_use));
+            .upsert_chain(&table, chains::affinity_record_chain(family, &in_use));
     }
 
     /// Swaps one family's old contribution for the new one: removes what went away, adds what
     /// came, and keeps the dynamic sets and their rules for the ones in use.
-    fn replace(&mut self, ipv6: bool, old: &Contribution, new: &Contribution) {
+    fn replace(&mut self, family: IpFamily, old: &Contribution, new: &Contribution) {
         if old == new {
             return;
         }
-        let table = self.table_key(ipv6);
+        let table = self.table_key(family);
         let (old_k, new_k) = (keyed(old), keyed(new));
         for (set, key) in old_k.keys().filter(|k| !new_k.contains_key(*k)) {
             self.model.remove_element(&table, set, key);
@@ -225,10 +227,10 @@ impl Desired {
         // Sets the new contribution uses first, then release the old ones, so that a Service
         // keeping its count never drops and re-creates the set.
         for (d, _) in &new.dynamic {
-            self.acquire(ipv6, *d);
+            self.acquire(family, *d);
         }
         for (d, _) in &old.dynamic {
-            self.release(ipv6, *d);
+            self.release(family, *d);
         }
         for ((set, key), value) in new_k {
             if old_k.get(&(set.clone(), key.clone())) != Some(&value) {

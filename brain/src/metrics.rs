@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use splitproxy_proto::prom::Histogram;
 
+use crate::objects::InvalidReason;
+
 #[derive(Debug, Default)]
 pub struct Metrics {
-    /// Objects (or parts of objects) skipped as unusable, by kind and reason.
-    invalid: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    /// Objects (or parts of objects) skipped as unusable, by reason (which implies the kind).
+    invalid: Mutex<BTreeMap<InvalidReason, u64>>,
     pub recomputes: AtomicU64,
     pub recompute_micros_total: AtomicU64,
     pub updates_sent: AtomicU64,
@@ -54,9 +56,10 @@ fn render_histogram(out: &mut String, h: &Mutex<Option<Histogram>>, name: &str, 
 }
 
 impl Metrics {
-    pub fn invalid(&self, kind: &'static str, reason: &'static str) {
+    /// Counts an object, or a part of one, skipped for `reason`.
+    pub fn invalid(&self, reason: InvalidReason) {
         if let Ok(mut m) = self.invalid.lock() {
-            *m.entry((kind, reason)).or_default() += 1;
+            *m.entry(reason).or_default() += 1;
         }
     }
 
@@ -88,7 +91,13 @@ impl Metrics {
         out.push_str("# HELP splitproxy_brain_invalid_objects_total Kubernetes objects or parts of them skipped as unusable.\n");
         out.push_str("# TYPE splitproxy_brain_invalid_objects_total counter\n");
         if let Ok(m) = self.invalid.lock() {
-            for ((kind, reason), n) in m.iter() {
+            // In label order, as before the reasons were typed.
+            let mut counts: Vec<_> = m
+                .iter()
+                .map(|(reason, n)| ((reason.kind().as_str(), reason.as_str()), n))
+                .collect();
+            counts.sort_unstable();
+            for ((kind, reason), n) in counts {
                 let _ = writeln!(
                     out,
                     "splitproxy_brain_invalid_objects_total{{kind=\"{kind}\",reason=\"{reason}\"}} {n}"
@@ -194,5 +203,31 @@ impl Metrics {
             "Computing and encoding one distinct update body.",
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_objects_render_by_kind_and_reason() {
+        let m = Metrics::default();
+        m.invalid(InvalidReason::ClusterIpOutsideServiceCidr);
+        m.invalid(InvalidReason::ClusterIpOutsideServiceCidr);
+        m.invalid(InvalidReason::NoMatchingServicePort);
+        assert_eq!(m.invalid_total(), 3);
+        let text = m.render(0);
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("splitproxy_brain_invalid_objects_total{"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "splitproxy_brain_invalid_objects_total{kind=\"EndpointSlice\",reason=\"no_matching_service_port\"} 1",
+                "splitproxy_brain_invalid_objects_total{kind=\"Service\",reason=\"cluster_ip_outside_service_cidr\"} 2",
+            ]
+        );
     }
 }

@@ -7,11 +7,117 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
+use splitproxy_proto::family::IpFamily;
 
 use crate::metrics::Metrics;
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// The kind of object a validation skips (in part): the `kind` label of
+/// `splitproxy_brain_invalid_objects_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ObjectKind {
+    Service,
+    EndpointSlice,
+}
+
+impl ObjectKind {
+    /// The metric label: the Kubernetes kind.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ObjectKind::Service => "Service",
+            ObjectKind::EndpointSlice => "EndpointSlice",
+        }
+    }
+}
+
+impl std::fmt::Display for ObjectKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why an object, or a part of one, was skipped: the `reason` label of
+/// `splitproxy_brain_invalid_objects_total`. Each reason belongs to one kind of object, so a
+/// count can never pair a reason with the wrong kind. The labels are an interface (dashboards
+/// and the end-to-end tests read them): a variant may be added, a label never changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum InvalidReason {
+    /// A clusterIP outside the configured service CIDRs.
+    ClusterIpOutsideServiceCidr,
+    /// A clusterIP that is not an address.
+    ClusterIpUnparsable,
+    /// A Service port whose protocol is not TCP, UDP or SCTP.
+    ProtocolUnknown,
+    /// A Service port number outside 0..=65535.
+    PortOutOfRange,
+    /// An externalIP that is not a usable unicast address.
+    ExternalIpInvalid,
+    /// A load balancer ingress IP that is not a usable unicast address.
+    LoadBalancerIpInvalid,
+    /// A loadBalancerSourceRange that is not a prefix.
+    SourceRangeInvalid,
+    /// An EndpointSlice port without a known protocol or a non-zero number.
+    SlicePortInvalid,
+    /// An endpoint address that is not a unicast address of the slice's family.
+    EndpointAddressUnusable,
+    /// An EndpointSlice without a port matching a port of its Service (by name and protocol).
+    NoMatchingServicePort,
+}
+
+impl InvalidReason {
+    pub const ALL: [InvalidReason; 10] = [
+        InvalidReason::ClusterIpOutsideServiceCidr,
+        InvalidReason::ClusterIpUnparsable,
+        InvalidReason::ProtocolUnknown,
+        InvalidReason::PortOutOfRange,
+        InvalidReason::ExternalIpInvalid,
+        InvalidReason::LoadBalancerIpInvalid,
+        InvalidReason::SourceRangeInvalid,
+        InvalidReason::SlicePortInvalid,
+        InvalidReason::EndpointAddressUnusable,
+        InvalidReason::NoMatchingServicePort,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InvalidReason::ClusterIpOutsideServiceCidr => "cluster_ip_outside_service_cidr",
+            InvalidReason::ClusterIpUnparsable => "cluster_ip_unparsable",
+            InvalidReason::ProtocolUnknown => "protocol_unknown",
+            InvalidReason::PortOutOfRange => "port_out_of_range",
+            InvalidReason::ExternalIpInvalid => "external_ip_invalid",
+            InvalidReason::LoadBalancerIpInvalid => "load_balancer_ip_invalid",
+            InvalidReason::SourceRangeInvalid => "source_range_invalid",
+            InvalidReason::SlicePortInvalid => "port_invalid",
+            InvalidReason::EndpointAddressUnusable => "endpoint_address_unusable",
+            InvalidReason::NoMatchingServicePort => "no_matching_service_port",
+        }
+    }
+
+    /// The kind of object this reason skips.
+    pub fn kind(self) -> ObjectKind {
+        match self {
+            InvalidReason::ClusterIpOutsideServiceCidr
+            | InvalidReason::ClusterIpUnparsable
+            | InvalidReason::ProtocolUnknown
+            | InvalidReason::PortOutOfRange
+            | InvalidReason::ExternalIpInvalid
+            | InvalidReason::LoadBalancerIpInvalid
+            | InvalidReason::SourceRangeInvalid => ObjectKind::Service,
+            InvalidReason::SlicePortInvalid
+            | InvalidReason::EndpointAddressUnusable
+            | InvalidReason::NoMatchingServicePort => ObjectKind::EndpointSlice,
+        }
+    }
+}
+
+impl std::fmt::Display for InvalidReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// namespace/name of a namespaced object. Shared strings: the overlays keep a key per (node,
 /// Service) pair in several indexes, 100k pairs at 5,000 nodes, and a clone must not allocate.
@@ -134,7 +240,8 @@ pub struct SliceInfo {
     pub key: ObjectKey,
     /// The Service this slice belongs to (its `kubernetes.io/service-name` label).
     pub service: ObjectKey,
-    pub ipv6: bool,
+    /// `addressType`: every address of the slice is of this family.
+    pub family: IpFamily,
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<Endpoint>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, if the controller set it.
@@ -205,12 +312,12 @@ pub fn service(
                 cluster_ips.push(ip)
             }
             Ok(ip) => {
-                metrics.invalid("Service", "cluster_ip_outside_service_cidr");
+                metrics.invalid(InvalidReason::ClusterIpOutsideServiceCidr);
                 tracing::warn!(service = %key, cluster_ip = %ip, ?service_cidrs,
                     "skipping clusterIP outside the configured service CIDRs");
             }
             Err(_) => {
-                metrics.invalid("Service", "cluster_ip_unparsable");
+                metrics.invalid(InvalidReason::ClusterIpUnparsable);
                 tracing::warn!(service = %key, cluster_ip = %raw, "skipping unparsable clusterIP");
             }
         }
@@ -219,12 +326,12 @@ pub fn service(
     let mut ports = Vec::new();
     for p in spec.ports.iter().flatten() {
         let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
-            metrics.invalid("Service", "protocol_unknown");
+            metrics.invalid(InvalidReason::ProtocolUnknown);
             tracing::warn!(service = %key, protocol = ?p.protocol, "skipping port with unknown protocol");
             continue;
         };
         let Ok(port) = u16::try_from(p.port) else {
-            metrics.invalid("Service", "port_out_of_range");
+            metrics.invalid(InvalidReason::PortOutOfRange);
             tracing::warn!(service = %key, port = p.port, "skipping port out of range");
             continue;
         };
@@ -240,14 +347,14 @@ pub fn service(
             node_port,
         });
     }
-    let addresses = |raw: &mut dyn Iterator<Item = &String>, what: &'static str| {
+    let addresses = |raw: &mut dyn Iterator<Item = &String>, why: InvalidReason| {
         let mut out = Vec::new();
         for r in raw {
             match r.parse::<IpAddr>() {
                 Ok(ip) if usable_endpoint_ip(ip) => out.push(ip),
                 _ => {
-                    metrics.invalid("Service", what);
-                    tracing::warn!(service = %key, address = %r, "skipping unusable {what}");
+                    metrics.invalid(why);
+                    tracing::warn!(service = %key, address = %r, reason = %why, "skipping unusable address");
                 }
             }
         }
@@ -257,7 +364,7 @@ pub fn service(
     };
     let external_ips = addresses(
         &mut spec.external_ips.iter().flatten(),
-        "external_ip_invalid",
+        InvalidReason::ExternalIpInvalid,
     );
     let load_balancer_ips = if ty == "LoadBalancer" {
         let ingress = svc
@@ -271,7 +378,7 @@ pub fn service(
                 .flatten()
                 .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
                 .filter_map(|i| i.ip.as_ref()),
-            "load_balancer_ip_invalid",
+            InvalidReason::LoadBalancerIpInvalid,
         )
     } else {
         Vec::new()
@@ -282,7 +389,7 @@ pub fn service(
             match r.trim().parse::<ipnet::IpNet>() {
                 Ok(n) => source_ranges.push(n.trunc()),
                 Err(_) => {
-                    metrics.invalid("Service", "source_range_invalid");
+                    metrics.invalid(InvalidReason::SourceRangeInvalid);
                     tracing::warn!(service = %key, range = %r, "skipping invalid loadBalancerSourceRange");
                 }
             }
@@ -345,9 +452,9 @@ pub fn usable_endpoint_ip(ip: IpAddr) -> bool {
 pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>> {
     let key = ObjectKey::of(slice);
     let service_name = slice.labels().get(SERVICE_NAME_LABEL)?.clone();
-    let ipv6 = match slice.address_type.as_str() {
-        "IPv4" => false,
-        "IPv6" => true,
+    let family = match slice.address_type.as_str() {
+        "IPv4" => IpFamily::V4,
+        "IPv6" => IpFamily::V6,
         _ => return None,
     };
     let mut ports = Vec::new();
@@ -364,7 +471,7 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
                 port,
             }),
             _ => {
-                metrics.invalid("EndpointSlice", "port_invalid");
+                metrics.invalid(InvalidReason::SlicePortInvalid);
                 tracing::warn!(slice = %key, port = ?p.port, protocol = ?p.protocol, "skipping invalid slice port");
             }
         }
@@ -374,9 +481,9 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
         let mut addresses = Vec::new();
         for raw in &ep.addresses {
             match raw.parse::<IpAddr>() {
-                Ok(ip) if ip.is_ipv6() == ipv6 && usable_endpoint_ip(ip) => addresses.push(ip),
+                Ok(ip) if family.holds(ip) && usable_endpoint_ip(ip) => addresses.push(ip),
                 _ => {
-                    metrics.invalid("EndpointSlice", "endpoint_address_unusable");
+                    metrics.invalid(InvalidReason::EndpointAddressUnusable);
                     tracing::warn!(slice = %key, address = %raw, address_type = %slice.address_type,
                         "skipping endpoint address that is not a unicast address of the slice's family");
                 }
@@ -415,7 +522,7 @@ pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>>
     Some(Arc::new(SliceInfo {
         service: ObjectKey::new(key.namespace.clone(), service_name),
         key,
-        ipv6,
+        family,
         ports,
         endpoints,
         trigger_time,
@@ -434,8 +541,8 @@ pub fn node(node: &Node) -> NodeInfo {
     let of = |ty: &'static str| addrs.iter().filter(move |(t, _)| *t == ty).map(|(_, a)| *a);
     let addresses: Vec<IpAddr> = of("InternalIP").chain(of("ExternalIP")).collect();
     let mut primary = Vec::new();
-    for v6 in [false, true] {
-        if let Some(a) = addresses.iter().find(|a| a.is_ipv6() == v6) {
+    for family in IpFamily::ALL {
+        if let Some(a) = addresses.iter().find(|a| family.holds(**a)) {
             primary.push(*a);
         }
     }
@@ -457,5 +564,39 @@ pub fn node(node: &Node) -> NodeInfo {
         primary,
         zone: node.labels().get("topology.kubernetes.io/zone").cloned(),
         pod_cidrs,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The labels are read by dashboards and the end-to-end tests: pinned here, each with its
+    /// kind.
+    #[test]
+    fn invalid_reason_labels_are_pinned() {
+        let labels: Vec<(&str, &str)> = InvalidReason::ALL
+            .iter()
+            .map(|r| (r.kind().as_str(), r.as_str()))
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                ("Service", "cluster_ip_outside_service_cidr"),
+                ("Service", "cluster_ip_unparsable"),
+                ("Service", "protocol_unknown"),
+                ("Service", "port_out_of_range"),
+                ("Service", "external_ip_invalid"),
+                ("Service", "load_balancer_ip_invalid"),
+                ("Service", "source_range_invalid"),
+                ("EndpointSlice", "port_invalid"),
+                ("EndpointSlice", "endpoint_address_unusable"),
+                ("EndpointSlice", "no_matching_service_port"),
+            ]
+        );
+        for r in InvalidReason::ALL {
+            assert_eq!(r.to_string(), r.as_str());
+        }
+        assert_eq!(ObjectKind::EndpointSlice.to_string(), "EndpointSlice");
     }
 }

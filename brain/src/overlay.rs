@@ -15,6 +15,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use prost::Message;
+use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
 
 use crate::desired::Desired;
@@ -25,7 +26,7 @@ use crate::rules::contribution::{self, Contribution, ServiceEndpoints};
 use crate::rules::sets::DynSet;
 
 /// What one Service (or the node's facts) puts in a node's overlay, per family.
-type Share = [Kept; 2];
+type Share = PerFamily<Kept>;
 
 /// A set of the shared model, named without allocating.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -86,8 +87,9 @@ impl Kept {
     }
 }
 
-fn kept(c: [Contribution; 2]) -> Share {
-    [Kept::of(&c[0]), Kept::of(&c[1])]
+/// The shares `contribution` computes for each family, as kept.
+fn kept(contribution: impl Fn(IpFamily) -> Contribution) -> Share {
+    PerFamily::from_fn(|family| Kept::of(&contribution(family)))
 }
 
 #[derive(Default)]
@@ -100,16 +102,16 @@ struct NodeOverlay {
     /// Elements (family, set, key) used by more than one share, with the number of uses beyond
     /// the first: two Services may share a pod (hairpin). Most elements have one use and no
     /// entry.
-    extra_uses: HashMap<(bool, String, Box<[u8]>), usize>,
+    extra_uses: HashMap<(IpFamily, String, Box<[u8]>), usize>,
 }
 
 impl NodeOverlay {
     /// Gives back the dynamic sets this overlay uses.
     fn release(&self, desired: &mut Desired) {
         for share in std::iter::once(&self.facts).chain(self.shares.values()) {
-            for (v6, k) in [(false, &share[0]), (true, &share[1])] {
+            for (family, k) in share.iter() {
                 for d in &k.dynamic {
-                    desired.release(v6, *d);
+                    desired.release(family, *d);
                 }
             }
         }
@@ -119,7 +121,7 @@ impl NodeOverlay {
     fn add_use(
         &mut self,
         desired: &Desired,
-        (v6, table): (bool, &TableKey),
+        (family, table): (IpFamily, &TableKey),
         set: SetRef,
         key: &[u8],
         value: &[u8],
@@ -132,12 +134,12 @@ impl NodeOverlay {
         if present {
             *self
                 .extra_uses
-                .entry((v6, name.into_owned(), key.into()))
+                .entry((family, name.into_owned(), key.into()))
                 .or_default() += 1;
             return;
         }
         if self.model.set(table, &name).is_none() {
-            let Some(def) = desired.set_def(v6, &name) else {
+            let Some(def) = desired.set_def(family, &name) else {
                 tracing::warn!(set = %name, "overlay element for a set the shared model lacks");
                 return;
             };
@@ -149,9 +151,9 @@ impl NodeOverlay {
     }
 
     /// One use fewer; the last takes it out of the model.
-    fn remove_use(&mut self, (v6, table): (bool, &TableKey), set: SetRef, key: &[u8]) {
+    fn remove_use(&mut self, (family, table): (IpFamily, &TableKey), set: SetRef, key: &[u8]) {
         let name = set.name();
-        let rk = (v6, name.into_owned(), Box::<[u8]>::from(key));
+        let rk = (family, name.into_owned(), Box::<[u8]>::from(key));
         match self.extra_uses.get_mut(&rk) {
             Some(c) => {
                 *c -= 1;
@@ -278,10 +280,7 @@ impl Overlays {
             if known {
                 continue;
             }
-            let facts = kept([
-                contribution::node_facts(&self.config, info, false),
-                contribution::node_facts(&self.config, info, true),
-            ]);
+            let facts = kept(|family| contribution::node_facts(&self.config, info, family));
             let overlay = self.nodes.entry(name.clone()).or_default();
             overlay.info = info.clone();
             let old = std::mem::take(&mut overlay.facts);
@@ -352,10 +351,9 @@ impl Overlays {
                     continue;
                 };
                 let new: Share = match (svc, &eps) {
-                    (Some(s), Some(e)) if new_nodes.contains(name) => kept([
-                        contribution::node(s, e, info, false),
-                        contribution::node(s, e, info, true),
-                    ]),
+                    (Some(s), Some(e)) if new_nodes.contains(name) => {
+                        kept(|family| contribution::node(s, e, info, family))
+                    }
                     _ => Share::default(),
                 };
                 let old = overlay.shares.remove(key).unwrap_or_default();
@@ -363,7 +361,7 @@ impl Overlays {
                     replace(overlay, desired, &old, &new);
                     self.changed.insert(name.clone());
                 }
-                if !new[0].is_empty() || !new[1].is_empty() {
+                if new.values().any(|k| !k.is_empty()) {
                     overlay.shares.insert(key.clone(), new);
                 }
             }
@@ -396,15 +394,15 @@ impl Overlays {
 /// Swaps a share of a node's overlay: elements counted per key (so a pod serving two Services
 /// keeps its hairpin pair until both let go), dynamic sets acquired from the shared model.
 fn replace(overlay: &mut NodeOverlay, desired: &mut Desired, old: &Share, new: &Share) {
-    for ipv6 in [false, true] {
-        let (o, n) = (&old[ipv6 as usize], &new[ipv6 as usize]);
-        if o == n || !desired.has_table(ipv6) {
+    for family in IpFamily::ALL {
+        let (o, n) = (&old[family], &new[family]);
+        if o == n || !desired.has_table(family) {
             continue;
         }
-        let table = desired.table_key(ipv6);
-        let at = (ipv6, &table);
+        let table = desired.table_key(family);
+        let at = (family, &table);
         for d in &n.dynamic {
-            desired.acquire(ipv6, *d);
+            desired.acquire(family, *d);
         }
         // Both sorted by (set, key): one merge walk.
         let (mut a, mut b) = (o.elements.iter().peekable(), n.elements.iter().peekable());
@@ -437,7 +435,7 @@ fn replace(overlay: &mut NodeOverlay, desired: &mut Desired, old: &Share, new: &
             }
         }
         for d in &o.dynamic {
-            desired.release(ipv6, *d);
+            desired.release(family, *d);
         }
     }
 }

@@ -390,7 +390,7 @@ impl IndexState {
                     .any(|p| p.name == port.name && p.protocol == port.protocol)
                 {
                     self.metrics
-                        .invalid("EndpointSlice", "no_matching_service_port");
+                        .invalid(objects::InvalidReason::NoMatchingServicePort);
                     tracing::warn!(service = %service, slice = %slice.key, port = %port.name,
                         protocol = port.protocol.name(), "slice has no port matching the Service port; skipped for it");
                 }

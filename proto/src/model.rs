@@ -21,8 +21,15 @@ use crate::v1::{
     Chain, Element, Family, Ruleset, RulesetDelta, Set, SetElements, Table, TableRemoval,
 };
 
-/// Identifies a table: its family (as the kernel's NFPROTO number) and its name.
-pub type TableKey = (i32, String);
+/// Identifies a table: its family and its name. A wire family number that names no family
+/// reads as [`Family::Unspecified`] (the message getters' rule); no valid table has that family,
+/// so the actuator refuses such a table rather than applying it.
+pub type TableKey = (Family, String);
+
+/// The key of a table message (an upsert or a removal).
+fn key_of(family: Family, name: &str) -> TableKey {
+    (family, name.to_owned())
+}
 
 /// The bytes that identify an element within its set: its key and, for intervals, its end.
 pub fn element_key_bytes(element: &Element) -> Box<[u8]> {
@@ -113,7 +120,7 @@ fn object_hash(parts: &[&[u8]]) -> u128 {
 fn table_hash(key: &TableKey, comment: &str) -> u128 {
     object_hash(&[
         b"table",
-        &key.0.to_le_bytes(),
+        &(key.0 as i32).to_le_bytes(),
         key.1.as_bytes(),
         comment.as_bytes(),
     ])
@@ -122,7 +129,7 @@ fn table_hash(key: &TableKey, comment: &str) -> u128 {
 fn chain_hash(key: &TableKey, chain: &Chain) -> u128 {
     object_hash(&[
         b"chain",
-        &key.0.to_le_bytes(),
+        &(key.0 as i32).to_le_bytes(),
         key.1.as_bytes(),
         &chain.encode_to_vec(),
     ])
@@ -131,7 +138,7 @@ fn chain_hash(key: &TableKey, chain: &Chain) -> u128 {
 fn set_hash(key: &TableKey, def: &Set) -> u128 {
     object_hash(&[
         b"set",
-        &key.0.to_le_bytes(),
+        &(key.0 as i32).to_le_bytes(),
         key.1.as_bytes(),
         &def.encode_to_vec(),
     ])
@@ -140,7 +147,7 @@ fn set_hash(key: &TableKey, def: &Set) -> u128 {
 fn element_hash(key: &TableKey, set: &str, encoded: &[u8]) -> u128 {
     object_hash(&[
         b"element",
-        &key.0.to_le_bytes(),
+        &(key.0 as i32).to_le_bytes(),
         key.1.as_bytes(),
         set.as_bytes(),
         encoded,
@@ -164,7 +171,7 @@ impl Model {
                 .tables
                 .iter()
                 .map(|((family, name), tm)| Table {
-                    family: *family,
+                    family: *family as i32,
                     name: name.clone(),
                     comment: tm.comment.clone(),
                     chains: tm.chains.values().map(|c| (**c).clone()).collect(),
@@ -358,7 +365,7 @@ impl Model {
     /// Applies a delta: removals first, then upserts, as the protocol defines.
     pub fn apply(&mut self, delta: &RulesetDelta) {
         for rm in &delta.remove {
-            let key = (rm.family, rm.name.clone());
+            let key = key_of(rm.family(), &rm.name);
             if rm.whole {
                 self.remove_table(&key);
                 continue;
@@ -376,7 +383,7 @@ impl Model {
             }
         }
         for up in &delta.upsert {
-            let key = (up.family, up.name.clone());
+            let key = key_of(up.family(), &up.name);
             self.upsert_table(&key, &up.comment);
             for c in &up.chains {
                 self.upsert_chain(&key, c.clone());
@@ -410,7 +417,7 @@ impl Model {
                     new: (_, new),
                 } => touched.push((k, Some(old), new)),
                 DiffItem::Remove(k, _) => delta.remove.push(TableRemoval {
-                    family: k.0,
+                    family: k.0 as i32,
                     name: k.1.clone(),
                     whole: true,
                     ..Default::default()
@@ -420,13 +427,13 @@ impl Model {
         for (key, existing, new) in touched {
             let old = existing.unwrap_or(&empty);
             let mut up = Table {
-                family: key.0,
+                family: key.0 as i32,
                 name: key.1.clone(),
                 comment: new.comment.clone(),
                 ..Default::default()
             };
             let mut rm = TableRemoval {
-                family: key.0,
+                family: key.0 as i32,
                 name: key.1.clone(),
                 ..Default::default()
             };
@@ -508,16 +515,6 @@ impl RulesetDelta {
     }
 }
 
-/// The family of a table key, for display.
-pub fn family_name(family: i32) -> &'static str {
-    match Family::try_from(family) {
-        Ok(Family::Ip) => "ip",
-        Ok(Family::Ip6) => "ip6",
-        Ok(Family::Inet) => "inet",
-        _ => "unknown",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -557,6 +554,71 @@ mod tests {
                 ..Default::default()
             }],
         }
+    }
+
+    /// Tables of every family, in an order neither canonical nor by family.
+    fn families() -> Ruleset {
+        let table = |family: Family, name: &str| Table {
+            family: family as i32,
+            name: name.into(),
+            chains: vec![Chain {
+                name: "c".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        Ruleset {
+            tables: vec![
+                table(Family::Ip6, "a"),
+                table(Family::Inet, "b"),
+                table(Family::Ip, "b"),
+                table(Family::Ip, "a"),
+            ],
+        }
+    }
+
+    #[test]
+    fn tables_are_keyed_by_family_in_wire_order() {
+        let model = Model::from_ruleset(&families());
+        let keys: Vec<TableKey> = model.tables.keys().cloned().collect();
+        assert_eq!(
+            keys,
+            [
+                (Family::Inet, "b".to_string()),
+                (Family::Ip, "a".to_string()),
+                (Family::Ip, "b".to_string()),
+                (Family::Ip6, "a".to_string()),
+            ]
+        );
+        // The typed keys sort as the wire numbers do, so the model's order is canonical.
+        let mut canonical = families();
+        canonicalize(&mut canonical);
+        assert_eq!(model.to_ruleset(), canonical);
+    }
+
+    #[test]
+    fn digest_hashes_the_wire_family() {
+        // Pinned (computed independently of this code): the digest is what both ends of the
+        // stream compare, across versions too, and hashes the family as its wire number.
+        let hex: String = Model::from_ruleset(&families())
+            .digest()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(hex, "6ca64dff41c399f7651763e990ca7f37");
+    }
+
+    #[test]
+    fn unknown_wire_family_is_unspecified() {
+        let mut r = families();
+        r.tables.truncate(1);
+        r.tables[0].family = 7;
+        let model = Model::from_ruleset(&r);
+        assert!(
+            model
+                .tables
+                .contains_key(&(Family::Unspecified, "a".to_string()))
+        );
     }
 
     #[test]
@@ -608,7 +670,7 @@ mod tests {
             &["a"],
         ));
         let mut next = big.clone();
-        let t = (Family::Ip as i32, "t".to_string());
+        let t = (Family::Ip, "t".to_string());
         next.insert_element(
             &t,
             "m",

@@ -92,7 +92,7 @@ pub fn ruleset(r: &Ruleset) -> String {
 /// A table with its sets and maps first (in the given order), then its chains.
 pub fn table(t: &Table) -> String {
     let ctx = Context::of(t);
-    let mut out = format!("table {} {} {{\n", family_name(t.family), t.name);
+    let mut out = format!("table {} {} {{\n", t.family().nft_name(), t.name);
     if !t.comment.is_empty() {
         let _ = writeln!(out, "\tcomment {}", quoted(&t.comment));
     }
@@ -237,15 +237,6 @@ pub fn element(set: &Set, e: &Element) -> String {
 }
 
 // ---- objects ----
-
-fn family_name(family: i32) -> &'static str {
-    match Family::try_from(family) {
-        Ok(Family::Ip) => "ip",
-        Ok(Family::Ip6) => "ip6",
-        Ok(Family::Inet) => "inet",
-        _ => "unknown",
-    }
-}
 
 fn chain_type_name(t: i32) -> &'static str {
     match ChainType::try_from(t) {

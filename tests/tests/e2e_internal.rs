@@ -27,6 +27,7 @@ use nix::sys::socket::{
     AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType, SockaddrIn, recv, sendto, socket,
 };
 use serde_json::{Value, json};
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{ListNodesRequest, NodeStatus};
 use splitproxy_tests::deploy::metric;
 use splitproxy_tests::lab::{Lab, LabOptions, NodeSpec, PodSpec};
@@ -141,7 +142,13 @@ fn ep_hints(ip: &str, node: &str, pod: &str, zone: &str, zones: &[&str], nodes: 
 }
 
 /// An EndpointSlice of Service `svc` with ports (name, protocol, port).
-fn slice(name: &str, svc: &str, ipv6: bool, p: &[(&str, &str, u16)], eps: Vec<Value>) -> Value {
+fn slice(
+    name: &str,
+    svc: &str,
+    family: IpFamily,
+    p: &[(&str, &str, u16)],
+    eps: Vec<Value>,
+) -> Value {
     let ports: Vec<Value> = p
         .iter()
         .map(|(n, proto, port)| json!({"name": n, "protocol": proto, "port": port}))
@@ -150,7 +157,7 @@ fn slice(name: &str, svc: &str, ipv6: bool, p: &[(&str, &str, u16)], eps: Vec<Va
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": NS,
                      "labels": {"kubernetes.io/service-name": svc}},
-        "addressType": if ipv6 { "IPv6" } else { "IPv4" },
+        "addressType": match family { IpFamily::V4 => "IPv4", IpFamily::V6 => "IPv6" },
         "ports": ports,
         "endpoints": eps,
     })
@@ -578,7 +585,7 @@ async fn named_ports(lab: &Lab) {
             slice(
                 "multi-1",
                 "multi",
-                false,
+                IpFamily::V4,
                 &[
                     ("http", "TCP", 8080),
                     ("admin", "TCP", 9090),
@@ -590,7 +597,7 @@ async fn named_ports(lab: &Lab) {
             slice(
                 "multi-2",
                 "multi",
-                false,
+                IpFamily::V4,
                 &[
                     ("sctp", "SCTP", 7778),
                     ("dns", "UDP", 5354),
@@ -700,7 +707,7 @@ async fn endpoints_over_three_slices(lab: &Lab) {
             slice(
                 "spread-1",
                 "spread",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![
                     ep("10.244.0.21", "node-0", "spread-a"),
@@ -710,7 +717,7 @@ async fn endpoints_over_three_slices(lab: &Lab) {
             slice(
                 "spread-2",
                 "spread",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![
                     ep("10.244.0.22", "node-0", "spread-c"),
@@ -720,7 +727,7 @@ async fn endpoints_over_three_slices(lab: &Lab) {
             slice(
                 "spread-3",
                 "spread",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![ep("10.244.1.22", "node-1", "spread-d")],
             ),
@@ -793,7 +800,7 @@ async fn endpoint_conditions_refusals_and_drops(lab: &Lab) {
             false,
             false,
         ));
-        slice("cond-1", "cond", false, &slice_ports, eps)
+        slice("cond-1", "cond", IpFamily::V4, &slice_ports, eps)
     };
     apply(
         lab,
@@ -867,7 +874,7 @@ async fn ignored_services(lab: &Lab) {
             slice(
                 "headless-1",
                 "headless",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![ep("10.244.0.40", "node-0", "headless-a")],
             ),
@@ -879,7 +886,7 @@ async fn ignored_services(lab: &Lab) {
             slice(
                 "external-name-1",
                 "external-name",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![ep("10.244.0.41", "node-0", "external-name-a")],
             ),
@@ -891,7 +898,7 @@ async fn ignored_services(lab: &Lab) {
             slice(
                 "other-proxy-1",
                 "other-proxy",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![ep("10.244.0.42", "node-0", "other-proxy-a")],
             ),
@@ -946,7 +953,7 @@ async fn dual_stack(lab: &Lab) {
             slice(
                 "dual-v4",
                 "dual",
-                false,
+                IpFamily::V4,
                 &slice_ports,
                 vec![
                     ep("10.244.0.50", "node-0", "dual-a"),
@@ -956,7 +963,7 @@ async fn dual_stack(lab: &Lab) {
             slice(
                 "dual-v6",
                 "dual",
-                true,
+                IpFamily::V6,
                 &slice_ports,
                 vec![
                     ep("fd00:244::50", "node-0", "dual-a"),
@@ -973,14 +980,14 @@ async fn dual_stack(lab: &Lab) {
             slice(
                 "prefer-dual-v6",
                 "prefer-dual",
-                true,
+                IpFamily::V6,
                 &http,
                 vec![ep("fd00:244:0:1::51", "node-1", "prefer-b")],
             ),
             slice(
                 "prefer-dual-v4",
                 "prefer-dual",
-                false,
+                IpFamily::V4,
                 &http,
                 vec![ep("10.244.0.51", "node-0", "prefer-a")],
             ),
@@ -994,7 +1001,7 @@ async fn dual_stack(lab: &Lab) {
             slice(
                 "v6-only-1",
                 "v6-only",
-                true,
+                IpFamily::V6,
                 &slice_ports,
                 vec![
                     ep("fd00:244::52", "node-0", "v6-a"),
@@ -1126,7 +1133,7 @@ async fn internal_traffic_policy_local(lab: &Lab) {
             slice(
                 "itp-1",
                 "itp",
-                false,
+                IpFamily::V4,
                 &[("http", "TCP", 8080)],
                 vec![
                     ep("10.244.0.60", "node-0", "itp-0"),
@@ -1166,7 +1173,13 @@ fn topo_slice(all_hinted: bool) -> Value {
         hinted("topo", 1, 61, true, false),
         hinted("topo", 2, 61, all_hinted, false),
     ];
-    slice("topo-1", "topo", false, &[("http", "TCP", 8080)], eps)
+    slice(
+        "topo-1",
+        "topo",
+        IpFamily::V4,
+        &[("http", "TCP", 8080)],
+        eps,
+    )
 }
 
 /// The slice of Service `near` (PreferSameNode): endpoints with node and zone hints on node-0,
@@ -1179,7 +1192,13 @@ fn near_slice(on_node_2: bool) -> Value {
     if on_node_2 {
         eps.push(hinted("near", 2, 62, true, true));
     }
-    slice("near-1", "near", false, &[("http", "TCP", 8080)], eps)
+    slice(
+        "near-1",
+        "near",
+        IpFamily::V4,
+        &[("http", "TCP", 8080)],
+        eps,
+    )
 }
 
 /// Services `topo` (10.96.21.20, PreferClose) and `near` (10.96.21.21, PreferSameNode) with
@@ -1261,7 +1280,7 @@ async fn session_affinity(lab: &Lab) {
             .filter(|(ip, ..)| keep(ip))
             .map(|(ip, node, pod)| ep(ip, node, pod))
             .collect();
-        slice("aff-1", "aff", false, &http, eps)
+        slice("aff-1", "aff", IpFamily::V4, &http, eps)
     };
     let affinity = json!({"sessionAffinity": "ClientIP",
                           "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}}});
@@ -1274,7 +1293,7 @@ async fn session_affinity(lab: &Lab) {
             slice(
                 "no-aff-1",
                 "no-aff",
-                false,
+                IpFamily::V4,
                 &http,
                 eps.iter()
                     .map(|(ip, node, pod)| ep(ip, node, pod))
@@ -1338,7 +1357,7 @@ async fn udp_flow_follows_endpoint_removal(lab: &Lab) {
             .filter(|(ip, ..)| keep(ip))
             .map(|(ip, node, pod)| ep(ip, node, pod))
             .collect();
-        slice("udp-1", "udp", false, &dns, eps)
+        slice("udp-1", "udp", IpFamily::V4, &dns, eps)
     };
     apply(
         lab,
@@ -1411,7 +1430,7 @@ async fn udp_flow_refused_then_answered(lab: &Lab) {
         lab,
         &[
             cluster_ip("udp-late", "10.96.21.41", &[("dns", "UDP", 53)], json!({})),
-            slice("udp-late-1", "udp-late", false, &dns, vec![]),
+            slice("udp-late-1", "udp-late", IpFamily::V4, &dns, vec![]),
         ],
     )
     .await;
@@ -1454,7 +1473,7 @@ async fn udp_flow_refused_then_answered(lab: &Lab) {
         &[slice(
             "udp-late-1",
             "udp-late",
-            false,
+            IpFamily::V4,
             &dns,
             vec![ep("10.244.0.65", "node-0", "udp-late-0")],
         )],

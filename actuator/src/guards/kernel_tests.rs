@@ -183,7 +183,7 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
         ];
         let everything = sorted(&[&stays[..], &goes[..]].concat());
         assert_eq!(listed(ns), everything, "the packet and userspace entries");
-        let tkey = (Family::Ip as i32, TABLE.to_owned());
+        let tkey = (Family::Ip, TABLE.to_owned());
         assert_eq!(
             sock.dump_elements(Family::Ip, TABLE, AFFINITY)
                 .unwrap()

@@ -171,7 +171,7 @@ fn members() -> Vec<Element> {
 }
 
 fn table_key(family: Family) -> TableKey {
-    (family as i32, TABLE.to_owned())
+    (family, TABLE.to_owned())
 }
 
 #[test]

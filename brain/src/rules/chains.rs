@@ -9,6 +9,7 @@
 //! nat-prerouting / nat-output (-100):        jump services            mark, affinity, DNAT
 //! nat-postrouting / nat-input (100):         jump masquerading, jump affinity-record
 //! ```
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{BaseChain, Chain, ChainType, CmpOp, CtKey, Expr, Hook, MetaKey, Rule};
 
 use super::sets::{self, DynSet, Kind};
@@ -66,7 +67,7 @@ fn rule(exprs: Vec<Expr>, comment: &str) -> Rule {
 }
 
 /// Every chain but `services` and `affinity-record`, which depend on the sets in use.
-pub fn fixed_chains(config: &RulesConfig, ipv6: bool) -> Vec<Chain> {
+pub fn fixed_chains(config: &RulesConfig, family: IpFamily) -> Vec<Chain> {
     use {ChainType::*, Hook::*};
     vec![
         base(
@@ -114,20 +115,20 @@ pub fn fixed_chains(config: &RulesConfig, ipv6: bool) -> Vec<Chain> {
             &["masquerading", "affinity-record"],
         ),
         base("nat-input", Input, Nat, SRCNAT, &["affinity-record"]),
-        endpoints_check(ipv6),
-        cluster_ips_check(config, ipv6),
-        firewall_check(ipv6),
-        masquerading(ipv6),
+        endpoints_check(family),
+        cluster_ips_check(config, family),
+        firewall_check(family),
+        masquerading(family),
     ]
 }
 
 /// Loads the destination key of `nodeport` space into registers 0..; returns the expressions
 /// (a NodePort key first checks `ip daddr @nodeport-ips`) and the first free register.
-fn key(nodeport: bool, ipv6: bool) -> (Vec<Expr>, u32) {
+fn key(nodeport: bool, family: IpFamily) -> (Vec<Expr>, u32) {
     if nodeport {
         (
             vec![
-                ir::daddr(ipv6, 0),
+                ir::daddr(family, 0),
                 ir::lookup(sets::NODEPORT_IPS, 0),
                 ir::meta(MetaKey::L4proto, 0),
                 ir::dport(1),
@@ -135,35 +136,31 @@ fn key(nodeport: bool, ipv6: bool) -> (Vec<Expr>, u32) {
             2,
         )
     } else {
-        ir::service_tuple(ipv6)
+        ir::service_tuple(family)
     }
 }
 
 /// The register holding `meta l4proto` after [`key`].
-fn l4_reg(nodeport: bool, ipv6: bool) -> u32 {
-    match (nodeport, ipv6) {
-        (true, _) => 0,
-        (false, false) => 1,
-        (false, true) => 4,
-    }
+fn l4_reg(nodeport: bool, family: IpFamily) -> u32 {
+    if nodeport { 0 } else { ir::addr_regs(family) }
 }
 
 /// Matches packets that come from a pod on this node, per `--detect-local-mode`; `None` when
 /// the mode cannot tell (None, or no cluster CIDR of this family).
-pub fn local_source(config: &RulesConfig, ipv6: bool, local: bool) -> Option<Vec<Expr>> {
+pub fn local_source(config: &RulesConfig, family: IpFamily, local: bool) -> Option<Vec<Expr>> {
     match config.detect_local {
         DetectLocalMode::ClusterCidr => {
             let nets: Vec<_> = config
                 .cluster_cidrs
                 .iter()
-                .filter(|n| n.addr().is_ipv6() == ipv6)
+                .filter(|n| family.holds_net(**n))
                 .collect();
             // kube-proxy uses one CIDR per family.
             let net = nets.first()?;
             Some(ir::saddr_in(**net, local, 0))
         }
         DetectLocalMode::NodeCidr => Some(vec![
-            ir::saddr(ipv6, 0),
+            ir::saddr(family, 0),
             if local {
                 ir::lookup(sets::LOCAL_POD_CIDRS, 0)
             } else {
@@ -187,18 +184,18 @@ pub fn local_source(config: &RulesConfig, ipv6: bool, local: bool) -> Option<Vec
 
 /// Conditions of rules that apply to external sources only: not a local pod (when that can be
 /// told) and not the node itself.
-fn external_source(config: &RulesConfig, ipv6: bool) -> Vec<Expr> {
-    let mut exprs = local_source(config, ipv6, false).unwrap_or_default();
+fn external_source(config: &RulesConfig, family: IpFamily) -> Vec<Expr> {
+    let mut exprs = local_source(config, family, false).unwrap_or_default();
     exprs.extend(ir::fib_saddr_local(false, 0));
     exprs
 }
 
 /// `services`: marks for masquerading, session affinity, then one DNAT rule per count set in
 /// use, local policies first, each followed by its drop for nodes without local endpoints.
-pub fn services_chain(config: &RulesConfig, ipv6: bool, dynsets: &[DynSet]) -> Chain {
-    let mut rules = masquerade_marks(config, ipv6);
-    rules.push(affinity_rule(ipv6));
-    rules.push(nodeport_affinity_rule(ipv6));
+pub fn services_chain(config: &RulesConfig, family: IpFamily, dynsets: &[DynSet]) -> Chain {
+    let mut rules = masquerade_marks(config, family);
+    rules.push(affinity_rule(family));
+    rules.push(nodeport_affinity_rule(family));
     let counts = |kind: Kind| {
         let mut ns: Vec<u32> = dynsets
             .iter()
@@ -213,7 +210,7 @@ pub fn services_chain(config: &RulesConfig, ipv6: bool, dynsets: &[DynSet]) -> C
     };
     for kind in Kind::ALL {
         for n in counts(kind) {
-            rules.push(dnat_rule(config, kind, n, ipv6));
+            rules.push(dnat_rule(config, kind, n, family));
         }
         let drop = match kind {
             Kind::Local => Some((false, sets::INTERNAL_LOCAL, "internalTrafficPolicy Local")),
@@ -227,11 +224,11 @@ pub fn services_chain(config: &RulesConfig, ipv6: bool, dynsets: &[DynSet]) -> C
         };
         if let Some((nodeport, set, policy)) = drop {
             let mut exprs = if kind.external_only() {
-                external_source(config, ipv6)
+                external_source(config, family)
             } else {
                 Vec::new()
             };
-            exprs.extend(key(nodeport, ipv6).0);
+            exprs.extend(key(nodeport, family).0);
             exprs.push(ir::lookup(set, 0));
             exprs.push(ir::drop());
             rules.push(rule(
@@ -243,16 +240,16 @@ pub fn services_chain(config: &RulesConfig, ipv6: bool, dynsets: &[DynSet]) -> C
     chain("services", rules)
 }
 
-fn masquerade_marks(config: &RulesConfig, ipv6: bool) -> Vec<Rule> {
+fn masquerade_marks(config: &RulesConfig, family: IpFamily) -> Vec<Rule> {
     let mark = || ir::mark_set_bit(MASQUERADE_MARK, 0);
     let mut rules = Vec::new();
     let cluster = if config.masquerade_all {
         Some(Vec::new())
     } else {
-        local_source(config, ipv6, false)
+        local_source(config, family, false)
     };
     if let Some(mut exprs) = cluster {
-        exprs.push(ir::daddr(ipv6, 0));
+        exprs.push(ir::daddr(family, 0));
         exprs.push(ir::lookup(sets::CLUSTER_IPS, 0));
         exprs.extend(mark());
         rules.push(rule(
@@ -261,7 +258,7 @@ fn masquerade_marks(config: &RulesConfig, ipv6: bool) -> Vec<Rule> {
         ));
     }
     for nodeport in [false, true] {
-        let (mut exprs, _) = key(nodeport, ipv6);
+        let (mut exprs, _) = key(nodeport, family);
         exprs.push(ir::lookup(
             if nodeport {
                 sets::NODEPORT_CLUSTER
@@ -276,7 +273,7 @@ fn masquerade_marks(config: &RulesConfig, ipv6: bool) -> Vec<Rule> {
             "Masquerade external traffic of Cluster-policy Services",
         ));
         let mut exprs = ir::fib_saddr_local(true, 0);
-        exprs.extend(key(nodeport, ipv6).0);
+        exprs.extend(key(nodeport, family).0);
         exprs.push(ir::lookup(
             if nodeport {
                 sets::NODEPORT_LOCAL
@@ -296,44 +293,43 @@ fn masquerade_marks(config: &RulesConfig, ipv6: bool) -> Vec<Rule> {
 
 /// A client with an affinity entry goes back to its endpoint. Entries whose endpoint left the
 /// Service are deleted by the actuator (`affinity-members` guards them).
-fn affinity_rule(ipv6: bool) -> Rule {
+fn affinity_rule(family: IpFamily) -> Rule {
     // v4: saddr r0, daddr r1, l4proto r2, dport r3 -> endpoint r0 (addr) r1 (port).
     // v6: saddr r0-3, daddr r4-7, l4proto r8, dport r9 -> endpoint r0-3, r4.
-    let w = if ipv6 { 4 } else { 1 };
+    let w = ir::addr_regs(family);
     let exprs = vec![
-        ir::saddr(ipv6, 0),
-        ir::daddr(ipv6, w),
+        ir::saddr(family, 0),
+        ir::daddr(family, w),
         ir::meta(MetaKey::L4proto, 2 * w),
         ir::dport(2 * w + 1),
         ir::lookup_map(sets::AFFINITY, 0, 0),
-        ir::dnat(ipv6, 0, w),
+        ir::dnat(family, 0, w),
     ];
     rule(exprs, "Session affinity")
 }
 
 /// The same for NodePorts (keyed by client . proto . port on the node's addresses).
-fn nodeport_affinity_rule(ipv6: bool) -> Rule {
-    let w = if ipv6 { 4 } else { 1 };
+fn nodeport_affinity_rule(family: IpFamily) -> Rule {
+    let w = ir::addr_regs(family);
     let exprs = vec![
-        ir::daddr(ipv6, 0),
+        ir::daddr(family, 0),
         ir::lookup(sets::NODEPORT_IPS, 0),
-        ir::saddr(ipv6, 0),
+        ir::saddr(family, 0),
         ir::meta(MetaKey::L4proto, w),
         ir::dport(w + 1),
         ir::lookup_map(sets::NODEPORT_AFFINITY, 0, 0),
-        ir::dnat(ipv6, 0, w),
+        ir::dnat(family, 0, w),
     ];
     rule(exprs, "Session affinity (NodePorts)")
 }
 
 /// `affinity-record`: a new connection DNATed for a Service port with session affinity
 /// remembers its client's endpoint, for that port's timeout.
-pub fn affinity_record_chain(ipv6: bool, dynsets: &[DynSet]) -> Chain {
-    let w = if ipv6 { 4 } else { 1 };
-    let (src, dst) = if ipv6 {
-        (CtKey::SrcIp6, CtKey::DstIp6)
-    } else {
-        (CtKey::SrcIp, CtKey::DstIp)
+pub fn affinity_record_chain(family: IpFamily, dynsets: &[DynSet]) -> Chain {
+    let w = ir::addr_regs(family);
+    let (src, dst) = match family {
+        IpFamily::V4 => (CtKey::SrcIp, CtKey::DstIp),
+        IpFamily::V6 => (CtKey::SrcIp6, CtKey::DstIp6),
     };
     let mut dynsets: Vec<DynSet> = dynsets.to_vec();
     dynsets.sort_unstable();
@@ -351,7 +347,7 @@ pub fn affinity_record_chain(ipv6: bool, dynsets: &[DynSet]) -> Chain {
                     ir::ct_original(src, 0),
                     ir::ct_original(CtKey::Protocol, w),
                     ir::ct_original(CtKey::ProtoDst, w + 1),
-                    ir::daddr(ipv6, w + 2),
+                    ir::daddr(family, w + 2),
                     ir::dport(2 * w + 2),
                     ir::dynset_update(sets::NODEPORT_AFFINITY, 0, w + 2, u64::from(t) * 1000),
                 ],
@@ -364,7 +360,7 @@ pub fn affinity_record_chain(ipv6: bool, dynsets: &[DynSet]) -> Chain {
                     ir::ct_original(CtKey::ProtoDst, 2 * w + 1),
                     ir::lookup(&d.name(), w),
                     ir::ct_original(src, 0),
-                    ir::daddr(ipv6, 2 * w + 2),
+                    ir::daddr(family, 2 * w + 2),
                     ir::dport(3 * w + 2),
                     ir::dynset_update(sets::AFFINITY, 0, 2 * w + 2, u64::from(t) * 1000),
                 ],
@@ -378,27 +374,27 @@ pub fn affinity_record_chain(ipv6: bool, dynsets: &[DynSet]) -> Chain {
 
 /// The rule for `kind` ports with `n` endpoints: match the key in its count set, pick one of
 /// the `n` slots at random, DNAT to the endpoint in that slot.
-fn dnat_rule(config: &RulesConfig, kind: Kind, n: u32, ipv6: bool) -> Rule {
+fn dnat_rule(config: &RulesConfig, kind: Kind, n: u32, family: IpFamily) -> Rule {
     let mut exprs = if kind.external_only() {
-        external_source(config, ipv6)
+        external_source(config, family)
     } else {
         Vec::new()
     };
-    let (k, slot) = key(kind.nodeport(), ipv6);
+    let (k, slot) = key(kind.nodeport(), family);
     exprs.extend(k);
     exprs.push(ir::lookup(&kind.set_name(n), 0));
     exprs.push(ir::numgen_random(n, slot));
     exprs.push(ir::lookup_map(kind.map(), 0, 0));
-    let port_reg = if ipv6 { 4 } else { 1 };
-    exprs.push(ir::dnat(ipv6, 0, port_reg));
+    let port_reg = ir::addr_regs(family);
+    exprs.push(ir::dnat(family, 0, port_reg));
     rule(exprs, "")
 }
 
 /// Service ports and NodePorts without endpoints are refused.
-fn endpoints_check(ipv6: bool) -> Chain {
+fn endpoints_check(family: IpFamily) -> Chain {
     let mut rules = Vec::new();
     for nodeport in [false, true] {
-        let (mut exprs, _) = key(nodeport, ipv6);
+        let (mut exprs, _) = key(nodeport, family);
         exprs.push(ir::lookup(
             if nodeport {
                 sets::NO_ENDPOINT_NODEPORTS
@@ -409,8 +405,8 @@ fn endpoints_check(ipv6: bool) -> Chain {
         ));
         rules.extend(refused(
             exprs,
-            l4_reg(nodeport, ipv6),
-            ipv6,
+            l4_reg(nodeport, family),
+            family,
             "Reject traffic to Services without endpoints",
         ));
     }
@@ -418,24 +414,24 @@ fn endpoints_check(ipv6: bool) -> Chain {
 }
 
 /// Unknown ports of ClusterIPs are refused, unallocated addresses of the service CIDRs dropped.
-fn cluster_ips_check(config: &RulesConfig, ipv6: bool) -> Chain {
-    let (_, free) = ir::service_tuple(ipv6);
+fn cluster_ips_check(config: &RulesConfig, family: IpFamily) -> Chain {
+    let (_, free) = ir::service_tuple(family);
     let l4 = free - 2;
     let unknown_port = vec![
-        ir::daddr(ipv6, 0),
+        ir::daddr(family, 0),
         ir::lookup(sets::CLUSTER_IPS, 0),
         ir::meta(MetaKey::L4proto, l4),
     ];
     let mut rules = refused(
         unknown_port,
         l4,
-        ipv6,
+        family,
         "Reject traffic to invalid ports of ClusterIPs",
     );
     for net in config
         .service_cidrs
         .iter()
-        .filter(|n| n.addr().is_ipv6() == ipv6)
+        .filter(|n| family.holds_net(**n))
     {
         let mut exprs = ir::daddr_in(*net);
         exprs.push(ir::drop());
@@ -445,10 +441,10 @@ fn cluster_ips_check(config: &RulesConfig, ipv6: bool) -> Chain {
 }
 
 /// Load balancer ports with source ranges drop every other client.
-fn firewall_check(ipv6: bool) -> Chain {
-    let (mut exprs, free) = ir::service_tuple(ipv6);
+fn firewall_check(family: IpFamily) -> Chain {
+    let (mut exprs, free) = ir::service_tuple(family);
     exprs.push(ir::lookup(sets::FIREWALL_IPS, 0));
-    exprs.push(ir::saddr(ipv6, free));
+    exprs.push(ir::saddr(family, free));
     exprs.push(ir::lookup_invert(sets::FIREWALL_ALLOW, 0));
     exprs.push(ir::drop());
     chain(
@@ -462,14 +458,14 @@ fn firewall_check(ipv6: bool) -> Chain {
 
 /// Masquerade what the services chain marked, and hairpin traffic (a pod reaching itself
 /// through a Service, which must not see its own address as the source).
-fn masquerading(ipv6: bool) -> Chain {
+fn masquerading(family: IpFamily) -> Chain {
     let mut marked = ir::mark_has_bit(MASQUERADE_MARK, 0);
     marked.extend(ir::mark_clear_bit(MASQUERADE_MARK, 0));
     marked.push(ir::masquerade());
-    let w = if ipv6 { 4 } else { 1 };
+    let w = ir::addr_regs(family);
     let hairpin = vec![
-        ir::saddr(ipv6, 0),
-        ir::daddr(ipv6, w),
+        ir::saddr(family, 0),
+        ir::daddr(family, w),
         ir::lookup(sets::HAIRPIN, 0),
         ir::masquerade(),
     ];
@@ -486,11 +482,11 @@ fn masquerading(ipv6: bool) -> Chain {
 /// unreachable. Both read as "connection refused" to a client; the reset, unlike ICMP, is not
 /// subject to the kernel's per-destination ICMP rate limit, so a client retrying a Service
 /// without endpoints is refused every time, at once. `l4` holds `meta l4proto`.
-fn refused(matched: Vec<Expr>, l4: u32, ipv6: bool, comment: &str) -> Vec<Rule> {
+fn refused(matched: Vec<Expr>, l4: u32, family: IpFamily, comment: &str) -> Vec<Rule> {
     let mut tcp = matched.clone();
     tcp.push(ir::cmp(CmpOp::Eq, l4, vec![6]));
     tcp.push(ir::reject_tcp_reset());
     let mut other = matched;
-    other.push(ir::reject(ipv6));
+    other.push(ir::reject(family));
     vec![rule(tcp, comment), rule(other, comment)]
 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
+use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::v1::{Datum, Element};
 
 use super::endpoints::{self, PortEndpoint};
@@ -12,9 +13,9 @@ use super::sets::{self, DynSet, Kind};
 use crate::index::Index;
 use crate::objects::{NodeInfo, ServiceInfo, ServicePort};
 
-/// Every port's endpoints of a Service, per family (index 0: IPv4, 1: IPv6), computed once per
-/// change and shared by the global and per-node contributions.
-pub struct ServiceEndpoints(Vec<[Vec<PortEndpoint>; 2]>);
+/// Every port's endpoints of a Service, per family, computed once per change and shared by the
+/// global and per-node contributions.
+pub struct ServiceEndpoints(Vec<PerFamily<Vec<PortEndpoint>>>);
 
 impl ServiceEndpoints {
     pub fn of(index: &Index, svc: &ServiceInfo) -> Self {
@@ -22,27 +23,21 @@ impl ServiceEndpoints {
             svc.ports
                 .iter()
                 .map(|p| {
-                    [
-                        endpoints::port_endpoints(index, svc, p, false),
-                        endpoints::port_endpoints(index, svc, p, true),
-                    ]
+                    PerFamily::from_fn(|family| endpoints::port_endpoints(index, svc, p, family))
                 })
                 .collect(),
         )
     }
 
-    fn port(&self, i: usize, ipv6: bool) -> &[PortEndpoint] {
-        self.0
-            .get(i)
-            .map(|f| f[ipv6 as usize].as_slice())
-            .unwrap_or(&[])
+    fn port(&self, i: usize, family: IpFamily) -> &[PortEndpoint] {
+        self.0.get(i).map(|f| f[family].as_slice()).unwrap_or(&[])
     }
 
     /// Whether topology hints make nodes choose differently for any port.
     pub fn topology_dependent(&self) -> bool {
         self.0
             .iter()
-            .flat_map(|f| f.iter())
+            .flat_map(|f| f.values())
             .any(|eps| endpoints::topology_dependent(eps))
     }
 
@@ -50,7 +45,7 @@ impl ServiceEndpoints {
     pub fn node_names(&self) -> impl Iterator<Item = &str> {
         self.0
             .iter()
-            .flat_map(|f| f.iter().flatten())
+            .flat_map(|f| f.values().flatten())
             .filter_map(|e| e.node.as_deref())
     }
 }
@@ -160,12 +155,9 @@ struct Destinations {
     nodeports: bool,
 }
 
-fn destinations(svc: &ServiceInfo, ipv6: bool) -> Destinations {
+fn destinations(svc: &ServiceInfo, family: IpFamily) -> Destinations {
     let of = |v: &[IpAddr]| -> Vec<IpAddr> {
-        v.iter()
-            .copied()
-            .filter(|ip| ip.is_ipv6() == ipv6)
-            .collect()
+        v.iter().copied().filter(|ip| family.holds(*ip)).collect()
     };
     let cluster = of(&svc.cluster_ips);
     let load_balancer = of(&svc.load_balancer_ips);
@@ -181,14 +173,17 @@ fn destinations(svc: &ServiceInfo, ipv6: bool) -> Destinations {
     }
 }
 
-/// What `svc` puts into every node's `ipv6` (or ip) table.
-pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, ipv6: bool) -> Contribution {
+/// What `svc` puts into every node's table of `family`.
+pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, family: IpFamily) -> Contribution {
     let mut c = Contribution::default();
-    let dst = destinations(svc, ipv6);
+    let dst = destinations(svc, family);
     for &cip in &dst.cluster {
         c.add(sets::CLUSTER_IPS, vec![ir::ip(cip)]);
     }
-    if !ipv6 && let Some(hc) = svc.health_check_node_port {
+    // The health check sets live in the ip table only (see `sets::fixed_sets`).
+    if family == IpFamily::V4
+        && let Some(hc) = svc.health_check_node_port
+    {
         c.elements.push((
             sets::HEALTH_CHECK_NODEPORTS,
             Element {
@@ -200,7 +195,7 @@ pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, ipv6: bool) -> Contribu
         ));
     }
     for (i, port) in svc.ports.iter().enumerate() {
-        let eps = all.port(i, ipv6);
+        let eps = all.port(i, family);
         let comment = comment(svc, port);
         let node_port = port.node_port.filter(|_| dst.nodeports);
         if !endpoints::has_usable(eps) {
@@ -256,11 +251,7 @@ pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, ipv6: bool) -> Contribu
             for &ip in &dst.load_balancer {
                 let key = addr_key(ip, port);
                 c.add(sets::FIREWALL_IPS, key.clone());
-                for net in svc
-                    .source_ranges
-                    .iter()
-                    .filter(|n| n.addr().is_ipv6() == ipv6)
-                {
+                for net in svc.source_ranges.iter().filter(|n| family.holds_net(**n)) {
                     let mut start = key.clone();
                     start.push(ir::ip(net.network()));
                     let mut end = key.clone();
@@ -311,26 +302,26 @@ pub fn nodes_of<'a>(index: &'a Index, all: &ServiceEndpoints) -> BTreeSet<&'a st
     }
     all.0
         .iter()
-        .flat_map(|f| f.iter())
+        .flat_map(|f| f.values())
         .flat_map(|eps| endpoints::hosting_nodes(eps))
         .filter_map(|n| index.node(n))
         .map(|n| n.name.as_str())
         .collect()
 }
 
-/// What `svc` puts into `node`'s `ipv6` (or ip) table only.
+/// What `svc` puts into `node`'s table of `family` only.
 pub fn node(
     svc: &ServiceInfo,
     all: &ServiceEndpoints,
     node: &NodeInfo,
-    ipv6: bool,
+    family: IpFamily,
 ) -> Contribution {
     let mut c = Contribution::default();
-    let dst = destinations(svc, ipv6);
+    let dst = destinations(svc, family);
     let mut hairpin = BTreeSet::new();
     let mut local_ips = BTreeSet::new();
     for (i, port) in svc.ports.iter().enumerate() {
-        let eps = all.port(i, ipv6);
+        let eps = all.port(i, family);
         if !endpoints::has_usable(eps) {
             continue;
         }
@@ -379,12 +370,15 @@ pub fn node(
     for ip in hairpin {
         c.add(sets::HAIRPIN, vec![ir::ip(ip), ir::ip(ip)]);
     }
-    if !ipv6 && let Some(hc) = svc.health_check_node_port {
+    // The health check sets live in the ip table only (see `sets::fixed_sets`).
+    if family == IpFamily::V4
+        && let Some(hc) = svc.health_check_node_port
+    {
         // kube-proxy counts the node's ready endpoints of the Service, all families.
         let mut ips = local_ips;
         for i in 0..svc.ports.len() {
             ips.extend(
-                all.port(i, true)
+                all.port(i, IpFamily::V6)
                     .iter()
                     .filter(|e| e.ready && e.node.as_deref() == Some(node.name.as_str()))
                     .map(|e| e.ip),
@@ -406,7 +400,7 @@ pub fn node(
 
 /// What the node's own facts put into its table: the addresses NodePorts answer on, and its
 /// pod CIDRs (for `--detect-local-mode NodeCIDR`).
-pub fn node_facts(config: &super::RulesConfig, node: &NodeInfo, ipv6: bool) -> Contribution {
+pub fn node_facts(config: &super::RulesConfig, node: &NodeInfo, family: IpFamily) -> Contribution {
     let mut c = Contribution::default();
     let addrs: Vec<IpAddr> = match &config.nodeport_addresses {
         super::NodePortAddresses::Primary => node.primary.clone(),
@@ -419,14 +413,14 @@ pub fn node_facts(config: &super::RulesConfig, node: &NodeInfo, ipv6: bool) -> C
     };
     let mut addrs: Vec<IpAddr> = addrs
         .into_iter()
-        .filter(|a| a.is_ipv6() == ipv6 && !a.is_loopback())
+        .filter(|a| family.holds(*a) && !a.is_loopback())
         .collect();
     addrs.sort();
     addrs.dedup();
     for a in addrs {
         c.add(sets::NODEPORT_IPS, vec![ir::ip(a)]);
     }
-    for net in node.pod_cidrs.iter().filter(|n| n.addr().is_ipv6() == ipv6) {
+    for net in node.pod_cidrs.iter().filter(|n| family.holds_net(**n)) {
         c.elements.push((
             sets::LOCAL_POD_CIDRS,
             Element {

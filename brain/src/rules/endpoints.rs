@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use splitproxy_proto::family::IpFamily;
+
 use crate::index::Index;
 use crate::objects::{NodeInfo, ServiceInfo, ServicePort};
 
@@ -44,10 +46,10 @@ pub fn port_endpoints(
     index: &Index,
     svc: &ServiceInfo,
     port: &ServicePort,
-    ipv6: bool,
+    family: IpFamily,
 ) -> Vec<PortEndpoint> {
     let mut all: BTreeMap<(IpAddr, u16), PortEndpoint> = BTreeMap::new();
-    for slice in index.slices_of(&svc.key).filter(|s| s.ipv6 == ipv6) {
+    for slice in index.slices_of(&svc.key).filter(|s| s.family == family) {
         // kube-proxy matches a slice port to a Service port by name (and protocol); a slice
         // without a matching port contributes nothing to this Service port.
         let Some(sp) = slice

@@ -3,6 +3,7 @@
 //! and integers in host order.
 use std::net::IpAddr;
 
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{
     self, Bitwise, Cmp, CmpOp, Ct, CtKey, Datum, Expr, Immediate, Lookup, Meta, MetaKey, Nat,
     NatType, Numgen, NumgenType, Payload, PayloadBase, Reject, RejectType, Verdict, VerdictCode,
@@ -13,16 +14,27 @@ fn e(kind: Kind) -> Expr {
     Expr { kind: Some(kind) }
 }
 
+/// Registers (4 bytes each) an address of `family` takes: 1 or 4.
+pub fn addr_regs(family: IpFamily) -> u32 {
+    family.addr_len() / 4
+}
+
 /// `ip daddr` (or `ip6 daddr`) into `reg`.
-pub fn daddr(ipv6: bool, reg: u32) -> Expr {
-    let (offset, len) = if ipv6 { (24, 16) } else { (16, 4) };
-    payload(PayloadBase::Network, offset, len, reg)
+pub fn daddr(family: IpFamily, reg: u32) -> Expr {
+    let offset = match family {
+        IpFamily::V4 => 16,
+        IpFamily::V6 => 24,
+    };
+    payload(PayloadBase::Network, offset, family.addr_len(), reg)
 }
 
 /// `ip saddr` (or `ip6 saddr`) into `reg`.
-pub fn saddr(ipv6: bool, reg: u32) -> Expr {
-    let (offset, len) = if ipv6 { (8, 16) } else { (12, 4) };
-    payload(PayloadBase::Network, offset, len, reg)
+pub fn saddr(family: IpFamily, reg: u32) -> Expr {
+    let offset = match family {
+        IpFamily::V4 => 12,
+        IpFamily::V6 => 8,
+    };
+    payload(PayloadBase::Network, offset, family.addr_len(), reg)
 }
 
 /// `th dport` into `reg`.
@@ -91,7 +103,7 @@ pub fn daddr_in(net: ipnet::IpNet) -> Vec<Expr> {
         ipnet::IpNet::V6(n) => (n.netmask().octets().to_vec(), n.network().octets().to_vec()),
     };
     vec![
-        daddr(net.addr().is_ipv6(), 0),
+        daddr(IpFamily::of_net(net), 0),
         bitwise(0, 0, mask),
         cmp(CmpOp::Eq, 0, addr),
     ]
@@ -99,10 +111,10 @@ pub fn daddr_in(net: ipnet::IpNet) -> Vec<Expr> {
 
 /// `ip daddr . meta l4proto . th dport` into registers 0.. (ipv4: 0,1,2; ipv6: 0-3,4,5).
 /// Returns the expressions and the first free register.
-pub fn service_tuple(ipv6: bool) -> (Vec<Expr>, u32) {
-    let a = if ipv6 { 4 } else { 1 };
+pub fn service_tuple(family: IpFamily) -> (Vec<Expr>, u32) {
+    let a = addr_regs(family);
     (
-        vec![daddr(ipv6, 0), meta(MetaKey::L4proto, a), dport(a + 1)],
+        vec![daddr(family, 0), meta(MetaKey::L4proto, a), dport(a + 1)],
         a + 2,
     )
 }
@@ -143,15 +155,10 @@ pub fn numgen_random(modulus: u32, dreg: u32) -> Expr {
     }))
 }
 
-pub fn dnat(ipv6: bool, reg_addr: u32, reg_proto: u32) -> Expr {
-    let family = if ipv6 {
-        v1::Family::Ip6
-    } else {
-        v1::Family::Ip
-    };
+pub fn dnat(family: IpFamily, reg_addr: u32, reg_proto: u32) -> Expr {
     e(Kind::Nat(Nat {
         r#type: NatType::Dnat as i32,
-        family: family as i32,
+        family: v1::Family::from(family) as i32,
         has_addr: true,
         reg_addr,
         has_proto: true,
@@ -161,8 +168,11 @@ pub fn dnat(ipv6: bool, reg_addr: u32, reg_proto: u32) -> Expr {
 }
 
 /// `reject` with ICMP (v6) port unreachable, which a TCP client sees as "connection refused".
-pub fn reject(ipv6: bool) -> Expr {
-    let code = if ipv6 { 4 } else { 3 };
+pub fn reject(family: IpFamily) -> Expr {
+    let code = match family {
+        IpFamily::V4 => 3,
+        IpFamily::V6 => 4,
+    };
     e(Kind::Reject(Reject {
         r#type: RejectType::IcmpUnreach as i32,
         code,
@@ -298,7 +308,7 @@ pub fn saddr_in(net: ipnet::IpNet, inside: bool, reg: u32) -> Vec<Expr> {
         ipnet::IpNet::V6(n) => (n.netmask().octets().to_vec(), n.network().octets().to_vec()),
     };
     vec![
-        saddr(net.addr().is_ipv6(), reg),
+        saddr(IpFamily::of_net(net), reg),
         bitwise(reg, reg, mask),
         cmp(if inside { CmpOp::Eq } else { CmpOp::Neq }, reg, addr),
     ]

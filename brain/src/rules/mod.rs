@@ -35,6 +35,7 @@ pub mod endpoints;
 pub mod ir;
 pub mod sets;
 
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{Family, Ruleset, Table};
 
 use crate::index::Index;
@@ -163,11 +164,7 @@ pub fn wants_ipv6(config: &RulesConfig) -> bool {
         .service_cidrs
         .iter()
         .chain(&config.cluster_cidrs)
-        .any(|n| matches!(n, ipnet::IpNet::V6(_)))
-}
-
-pub fn family(ipv6: bool) -> Family {
-    if ipv6 { Family::Ip6 } else { Family::Ip }
+        .any(|n| IpFamily::V6.holds_net(*n))
 }
 
 /// The dynamic sets that always exist: counts 1..=16 of every kind, the default affinity.
@@ -193,14 +190,14 @@ pub fn is_preallocated(d: DynSet) -> bool {
 
 /// A family's table without any Service: hooks, checks, the fixed sets, and the dynamic sets
 /// `dynsets` with the rules that use them.
-pub fn skeleton(config: &RulesConfig, ipv6: bool, dynsets: &[DynSet]) -> Table {
-    let mut sets = sets::fixed_sets(ipv6);
-    sets.extend(dynsets.iter().map(|d| d.def(ipv6)));
-    let mut chains = chains::fixed_chains(config, ipv6);
-    chains.push(chains::services_chain(config, ipv6, dynsets));
-    chains.push(chains::affinity_record_chain(ipv6, dynsets));
+pub fn skeleton(config: &RulesConfig, family: IpFamily, dynsets: &[DynSet]) -> Table {
+    let mut sets = sets::fixed_sets(family);
+    sets.extend(dynsets.iter().map(|d| d.def(family)));
+    let mut chains = chains::fixed_chains(config, family);
+    chains.push(chains::services_chain(config, family, dynsets));
+    chains.push(chains::affinity_record_chain(family, dynsets));
     Table {
-        family: family(ipv6) as i32,
+        family: Family::from(family) as i32,
         name: config.table.clone(),
         comment: "rules for splitproxy".into(),
         chains,

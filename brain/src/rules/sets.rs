@@ -4,6 +4,7 @@
 //! (ClusterIPs, externalIPs, load balancer IPs) and a NodePort key `inet_proto . inet_service`
 //! (reached on the node's addresses in `nodeport-ips`). Each space has its own maps, because nft
 //! cannot put a constant address into a concatenation.
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{ConntrackRole, DataType, Set};
 
 pub const CLUSTER_IPS: &str = "cluster-ips";
@@ -119,7 +120,7 @@ impl DynSet {
         }
     }
 
-    pub fn def(self, ipv6: bool) -> Set {
+    pub fn def(self, family: IpFamily) -> Set {
         match self {
             DynSet::Count(k, n) => {
                 let endpoints = if n == 1 {
@@ -129,20 +130,20 @@ impl DynSet {
                 };
                 set(
                     &self.name(),
-                    key_of(k.nodeport(), ipv6),
+                    key_of(k.nodeport(), family),
                     vec![],
                     &format!("{} with {endpoints}", k.describe()),
                 )
             }
             DynSet::Affinity(t) => set(
                 &self.name(),
-                key_of(false, ipv6),
+                key_of(false, family),
                 vec![],
                 &format!("Service ports with session affinity for {t}s"),
             ),
             DynSet::NodePortAffinity(t) => set(
                 &self.name(),
-                key_of(true, ipv6),
+                key_of(true, family),
                 vec![],
                 &format!("NodePorts with session affinity for {t}s"),
             ),
@@ -150,19 +151,18 @@ impl DynSet {
     }
 }
 
-pub fn addr_type(ipv6: bool) -> DataType {
-    if ipv6 {
-        DataType::Ipv6Addr
-    } else {
-        DataType::Ipv4Addr
+pub fn addr_type(family: IpFamily) -> DataType {
+    match family {
+        IpFamily::V4 => DataType::Ipv4Addr,
+        IpFamily::V6 => DataType::Ipv6Addr,
     }
 }
 
 /// `addr . inet_proto . inet_service`, or `inet_proto . inet_service` for NodePorts.
-pub fn key_of(nodeport: bool, ipv6: bool) -> Vec<DataType> {
+pub fn key_of(nodeport: bool, family: IpFamily) -> Vec<DataType> {
     let mut k = vec![DataType::InetProto, DataType::InetService];
     if !nodeport {
-        k.insert(0, addr_type(ipv6));
+        k.insert(0, addr_type(family));
     }
     k
 }
@@ -178,10 +178,10 @@ pub fn set(name: &str, key: Vec<DataType>, data: Vec<DataType>, comment: &str) -
 }
 
 /// Every fixed set of a family's table.
-pub fn fixed_sets(ipv6: bool) -> Vec<Set> {
-    let addr = addr_type(ipv6);
-    let k = key_of(false, ipv6);
-    let np = key_of(true, ipv6);
+pub fn fixed_sets(family: IpFamily) -> Vec<Set> {
+    let addr = addr_type(family);
+    let k = key_of(false, family);
+    let np = key_of(true, family);
     let slot = |mut key: Vec<DataType>| {
         key.push(DataType::Integer);
         key
@@ -327,7 +327,9 @@ pub fn fixed_sets(ipv6: bool) -> Vec<Set> {
             ..set(LOCAL_POD_CIDRS, vec![addr], vec![], "This node's pod CIDRs")
         },
     ];
-    if !ipv6 {
+    // One health check server per node port, whatever the Service's families: the sets live
+    // in the ip table only.
+    if family == IpFamily::V4 {
         sets.push(set(
             HEALTH_CHECK_NODEPORTS,
             vec![DataType::InetService],
