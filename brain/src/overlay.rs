@@ -17,7 +17,7 @@ use std::sync::Arc;
 use prost::Message;
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
 
-use crate::desired::Desired;
+use crate::desired::SharedRuleset;
 use crate::index::Index;
 use crate::objects::{NodeInfo, ObjectKey};
 use crate::rules::RulesConfig;
@@ -105,7 +105,7 @@ struct NodeOverlay {
 
 impl NodeOverlay {
     /// Gives back the dynamic sets this overlay uses.
-    fn release(&self, desired: &mut Desired) {
+    fn release(&self, desired: &mut SharedRuleset) {
         for share in std::iter::once(&self.facts).chain(self.shares.values()) {
             for (v6, k) in [(false, &share[0]), (true, &share[1])] {
                 for d in &k.dynamic {
@@ -118,7 +118,7 @@ impl NodeOverlay {
     /// One more use of an element; the first puts it in the model.
     fn add_use(
         &mut self,
-        desired: &Desired,
+        desired: &SharedRuleset,
         (v6, table): (bool, &TableKey),
         set: SetRef,
         key: &[u8],
@@ -179,7 +179,7 @@ pub struct Overlays {
     layout: u64,
     /// Nodes whose overlay changed since [`Overlays::take_changed`].
     changed: HashSet<String>,
-    /// Endpoints the shared state computed for this publication ([`Desired::take_endpoints`]).
+    /// Endpoints the shared state computed for this publication ([`SharedRuleset::take_endpoints`]).
     computed: HashMap<ObjectKey, Arc<ServiceEndpoints>>,
 }
 
@@ -209,7 +209,7 @@ impl Overlays {
 
     /// Recomputes every overlay. `desired` was just rebuilt (its dynamic set counts start from
     /// the shared state alone), so nothing is released.
-    pub fn rebuild(&mut self, index: &Index, desired: &mut Desired) {
+    pub fn rebuild(&mut self, index: &Index, desired: &mut SharedRuleset) {
         self.computed = desired.take_endpoints();
         self.changed.extend(self.nodes.keys().cloned());
         self.nodes.clear();
@@ -229,7 +229,7 @@ impl Overlays {
     pub fn update<'a>(
         &mut self,
         index: &Index,
-        desired: &mut Desired,
+        desired: &mut SharedRuleset,
         services: impl Iterator<Item = &'a ObjectKey>,
         nodes: impl Iterator<Item = &'a String>,
     ) {
@@ -247,7 +247,7 @@ impl Overlays {
         self.computed.clear();
     }
 
-    fn release_all(&mut self, desired: &mut Desired) {
+    fn release_all(&mut self, desired: &mut SharedRuleset) {
         for n in self.nodes.values() {
             n.release(desired);
         }
@@ -258,7 +258,7 @@ impl Overlays {
     fn update_nodes<'a>(
         &mut self,
         index: &Index,
-        desired: &mut Desired,
+        desired: &mut SharedRuleset,
         names: impl Iterator<Item = &'a String>,
     ) {
         for name in names {
@@ -299,7 +299,7 @@ impl Overlays {
     fn update_services<'a>(
         &mut self,
         index: &Index,
-        desired: &mut Desired,
+        desired: &mut SharedRuleset,
         keys: impl Iterator<Item = &'a ObjectKey>,
     ) {
         for key in keys {
@@ -395,7 +395,7 @@ impl Overlays {
 
 /// Swaps a share of a node's overlay: elements counted per key (so a pod serving two Services
 /// keeps its hairpin pair until both let go), dynamic sets acquired from the shared model.
-fn replace(overlay: &mut NodeOverlay, desired: &mut Desired, old: &Share, new: &Share) {
+fn replace(overlay: &mut NodeOverlay, desired: &mut SharedRuleset, old: &Share, new: &Share) {
     for ipv6 in [false, true] {
         let (o, n) = (&old[ipv6 as usize], &new[ipv6 as usize]);
         if o == n || !desired.has_table(ipv6) {

@@ -2,7 +2,7 @@
 //! introspection for operators.
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use splitproxy_proto::frames::UpdateFrame;
@@ -11,12 +11,12 @@ use splitproxy_proto::v1::{
     GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeStatus,
     SyncRequest, sync_request,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::fanout::{Fanout, Next};
+use crate::fanout::{Fanout, Next, Publication};
 use crate::tls;
 
 /// How long the brain waits for an ack before it gives up on the stream.
@@ -81,7 +81,7 @@ impl Dataplane for DataplaneService {
         &self,
         _request: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        let desired = self.fanout.desired();
+        let desired = self.fanout.publication();
         let nodes = self
             .fanout
             .nodes
@@ -117,9 +117,9 @@ impl Dataplane for DataplaneService {
         request: Request<GetNodeRulesetRequest>,
     ) -> Result<Response<GetNodeRulesetResponse>, Status> {
         let node = request.into_inner().node;
-        let desired = self.fanout.desired();
+        let desired = self.fanout.publication();
         let held = desired
-            .held(&node, &self.fanout.view_of(&node))
+            .held(&node)
             .ok_or_else(|| Status::unavailable("no desired state yet"))?;
         let ruleset = held.full().to_ruleset();
         Ok(Response::new(GetNodeRulesetResponse {
@@ -215,10 +215,42 @@ async fn session(
         } else {
             tracing::warn!(node, generation, error = %ack.error, "node failed to apply update; next is a snapshot");
             base = None;
-            tokio::select! {
-                _ = tokio::time::sleep(NACK_BACKOFF) => {}
-                _ = desired_rx.changed() => {}
-            }
+            NackBackoff::new(desired.version, Instant::now(), NACK_BACKOFF)
+                .wait(&mut desired_rx)
+                .await;
+        }
+    }
+}
+
+/// When a node that NACKed an update gets its next attempt (a snapshot): after `backoff`, or
+/// as soon as the desired state moves past the version it failed on, whichever comes first. A
+/// node whose kernel keeps rejecting the same state is not sent it in a tight loop, and a node
+/// that failed on a state already replaced is not kept waiting for the backoff.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NackBackoff {
+    /// The publication the failed update was computed from.
+    nacked_version: u64,
+    retry_at: Instant,
+}
+
+impl NackBackoff {
+    pub(crate) fn new(nacked_version: u64, now: Instant, backoff: Duration) -> Self {
+        NackBackoff {
+            nacked_version,
+            retry_at: now + backoff,
+        }
+    }
+
+    /// Whether the next attempt may go at `now` while `desired_version` is published.
+    pub(crate) fn may_retry(&self, now: Instant, desired_version: u64) -> bool {
+        now >= self.retry_at || desired_version != self.nacked_version
+    }
+
+    /// Waits until [`NackBackoff::may_retry`] holds (or the publisher is gone).
+    pub(crate) async fn wait(&self, desired: &mut watch::Receiver<Arc<Publication>>) {
+        tokio::select! {
+            _ = tokio::time::sleep_until(self.retry_at.into()) => {}
+            _ = desired.wait_for(|p| self.may_retry(Instant::now(), p.version)) => {}
         }
     }
 }
