@@ -357,7 +357,11 @@ impl Fanout {
     /// Trigger times and objects of the publications after `after` up to `upto`. Versions in
     /// the log are consecutive, so the range is found by arithmetic, not by a scan: this runs for
     /// every distinct update body.
-    fn changes_between(&self, after: u64, upto: u64) -> (Vec<prost_types::Timestamp>, Vec<String>) {
+    pub(crate) fn changes_between(
+        &self,
+        after: u64,
+        upto: u64,
+    ) -> (Vec<prost_types::Timestamp>, Vec<String>) {
         let mut times = Vec::new();
         let mut objects = Vec::new();
         if let Ok(log) = self.changes.lock()
