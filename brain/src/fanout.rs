@@ -469,3 +469,6 @@ impl Fanout {
             .unwrap_or(0)
     }
 }
+
+#[cfg(test)]
+mod tests;

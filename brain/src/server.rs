@@ -264,3 +264,74 @@ fn unexpected(msg: Option<Result<SyncRequest, Status>>) -> Result<(), Status> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use splitproxy_proto::model::Model;
+
+    use super::NackBackoff;
+    use crate::fanout::Fanout;
+    use crate::metrics::Metrics;
+
+    fn shared(n: usize) -> Arc<Model> {
+        let mut m = Model::default();
+        m.upsert_table(&(2, format!("t{n}")), "");
+        Arc::new(m)
+    }
+
+    #[test]
+    fn after_a_nack_no_retry_before_the_backoff_unless_the_state_moves() {
+        let t0 = Instant::now();
+        let b = NackBackoff::new(7, t0, Duration::from_secs(2));
+        assert!(!b.may_retry(t0, 7));
+        assert!(!b.may_retry(t0 + Duration::from_millis(1999), 7));
+        assert!(b.may_retry(t0 + Duration::from_secs(2), 7), "backoff over");
+        assert!(b.may_retry(t0, 8), "a newer desired state goes at once");
+    }
+
+    /// The wait of a session after a NACK: the backoff, cut short by a new publication but not
+    /// by one that changes nothing (dropped).
+    #[tokio::test]
+    async fn the_wait_ends_at_the_backoff_or_at_a_new_publication() {
+        let fanout = Fanout::new(Arc::new(Metrics::default()), 1, 1024);
+        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        let (mut rx, _) = fanout.subscribe();
+        let version = rx.borrow_and_update().version;
+
+        // Nothing new (an equal publication is dropped): the whole backoff.
+        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        let start = Instant::now();
+        NackBackoff::new(version, start, Duration::from_millis(150))
+            .wait(&mut rx)
+            .await;
+        assert!(start.elapsed() >= Duration::from_millis(150));
+
+        // A new state during a long backoff: the retry goes then.
+        let start = Instant::now();
+        let backoff = NackBackoff::new(version, start, Duration::from_secs(30));
+        let publisher = {
+            let fanout = fanout.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                fanout.publish(shared(2), Default::default(), vec![], vec![]);
+            })
+        };
+        tokio::time::timeout(Duration::from_secs(10), backoff.wait(&mut rx))
+            .await
+            .expect("woken by the new state, long before the backoff");
+        assert!(start.elapsed() >= Duration::from_millis(50));
+        publisher.await.expect("publisher");
+
+        // A state that moved before the wait started: no wait at all.
+        let start = Instant::now();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            NackBackoff::new(version, start, Duration::from_secs(30)).wait(&mut rx),
+        )
+        .await
+        .expect("no wait");
+    }
+}
