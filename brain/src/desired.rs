@@ -19,14 +19,14 @@ use splitproxy_proto::v1::{RulesetDelta, Set};
 use crate::index::Index;
 use crate::objects::ObjectKey;
 use crate::rules::contribution::ServiceEndpoints;
-use crate::rules::{self, Contribution, DynSet, NodeView, RulesConfig, chains, contribution};
+use crate::rules::{self, Contribution, DynSet, RulesConfig, chains, contribution};
 
 /// A Service's contributions to the ip and ip6 tables.
 type ServiceShare = PerFamily<Contribution>;
 
-pub struct Desired {
+/// The shared ruleset (every node's rules without its own overlay), built incrementally.
+pub struct SharedRuleset {
     config: RulesConfig,
-    view: NodeView,
     model: Model,
     shares: HashMap<ObjectKey, ServiceShare>,
     /// Uses of each dynamic set, per family, by Services and overlays.
@@ -35,16 +35,15 @@ pub struct Desired {
     v6_services: HashSet<ObjectKey>,
     /// Grows whenever a table appears or goes, so overlays know to recompute.
     layout: u64,
-    /// The endpoints computed by the last [`Desired::update`], handed to the overlays of the
-    /// same publication ([`Desired::take_endpoints`]) so a change computes them once.
+    /// The endpoints computed by the last [`SharedRuleset::update`], handed to the overlays of the
+    /// same publication ([`SharedRuleset::take_endpoints`]) so a change computes them once.
     computed: HashMap<ObjectKey, Arc<ServiceEndpoints>>,
 }
 
-impl Desired {
-    pub fn new(config: RulesConfig, view: NodeView) -> Self {
-        let mut d = Desired {
+impl SharedRuleset {
+    pub fn new(config: RulesConfig) -> Self {
+        let mut d = SharedRuleset {
             config,
-            view,
             model: Model::default(),
             shares: HashMap::new(),
             dyn_refs: BTreeMap::new(),
@@ -58,10 +57,6 @@ impl Desired {
 
     pub fn model(&self) -> &Model {
         &self.model
-    }
-
-    pub fn view(&self) -> &NodeView {
-        &self.view
     }
 
     pub fn layout(&self) -> u64 {

@@ -1,13 +1,13 @@
-//! Desired state and per-node streams.
+//! Published desired state and per-node streams.
 //!
-//! The index task publishes a new [`Desired`] (one persistent model per node variant) through a
-//! `watch` channel; a node's session waits for its previous update to be acked, then sends
+//! The index task publishes a new [`Publication`] (the shared model every node holds plus each
+//! node's overlay, all persistent) through a `watch` channel; a node's session waits for its previous update to be acked, then sends
 //! whatever changed since, so a slow node is never queued more than one update and always gets
 //! the coalesced latest state ("bounded under slow nodes", docs/invariants.md).
 //!
-//! Every distinct update body (a delta between two published versions of a variant, or a
-//! snapshot of one) is computed and encoded once and shared, as bytes, by every node that needs
-//! it; per node the brain only writes a few header fields (see `splitproxy_proto::frames`).
+//! Every distinct update body (a delta between two published versions of the shared model, or
+//! a snapshot of one) is computed and encoded once and shared, as bytes, by every node that
+//! needs it; per node the brain only writes a few header fields (see `splitproxy_proto::frames`).
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -20,7 +20,6 @@ use splitproxy_proto::v1::{Ack, update::Body};
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
-use crate::rules::NodeView;
 
 /// Changes remembered for trigger times and object names; a node further behind than this gets
 /// the state without the older trigger times.
@@ -30,15 +29,15 @@ const BODY_CACHE: usize = 512;
 /// Publications whose fan-out is still being timed.
 const FANOUT_TRACKED: usize = 1024;
 
-/// One published desired state.
+/// One published desired state: the ruleset every node shares, and each node's own elements.
 #[derive(Debug, Clone, Default)]
-pub struct Desired {
-    /// Grows by one per publication.
+pub struct Publication {
+    /// Grows by one per publication; 0 before the first (nothing to serve yet).
     pub version: u64,
-    /// Models per node variant; every node maps to exactly one.
-    pub variants: HashMap<NodeView, Arc<Model>>,
-    /// Each node's own elements on top of its variant (see [`crate::overlay`]); persistent, so
-    /// a publication clones it in O(1).
+    /// The ruleset every node holds ([`crate::desired::SharedRuleset`]).
+    pub shared: Arc<Model>,
+    /// Each node's own elements on top of the shared model (see [`crate::overlay`]); persistent,
+    /// so a publication clones it in O(1).
     pub overlays: imbl::HashMap<String, Arc<Model>>,
 }
 
@@ -50,33 +49,33 @@ pub enum Next {
     Current(Held),
 }
 
-/// What a node holds (or is sent): a version of its variant and its overlay.
+/// What a node holds (or is sent): a version of the shared model and its overlay.
 #[derive(Debug, Clone)]
 pub struct Held {
     pub version: u64,
-    pub model: Arc<Model>,
+    pub shared: Arc<Model>,
     pub overlay: Arc<Model>,
 }
 
 impl Held {
     pub fn digest(&self) -> Vec<u8> {
-        self.model.digest_with(&self.overlay)
+        self.shared.digest_with(&self.overlay)
     }
 
     /// The node's whole ruleset.
     pub fn full(&self) -> Model {
-        let mut m = (*self.model).clone();
+        let mut m = (*self.shared).clone();
         m.apply(&Model::default().diff(&self.overlay));
         m
     }
 }
 
-impl Desired {
-    /// What `node` should hold at this version.
-    pub fn held(&self, node: &str, view: &NodeView) -> Option<Held> {
-        Some(Held {
+impl Publication {
+    /// What `node` should hold at this version; `None` before the first publication.
+    pub fn held(&self, node: &str) -> Option<Held> {
+        (self.version > 0).then(|| Held {
             version: self.version,
-            model: self.variants.get(view)?.clone(),
+            shared: self.shared.clone(),
             overlay: self.overlays.get(node).cloned().unwrap_or_default(),
         })
     }
@@ -103,11 +102,12 @@ pub struct NodeState {
     pub last_error: String,
 }
 
-/// Identifies an encoded body: (base version or 0 for a snapshot, target version, variant).
-type BodyKey = (u64, u64, NodeView);
+/// Identifies an encoded body: (base version or 0 for a snapshot, target version).
+type BodyKey = (u64, u64);
 
-/// The shared parts of one update body and its tail (trigger times, objects).
-struct Body2 {
+/// The shared part of one update, encoded once for every node at the same base: the body's
+/// parts and the tail (trigger times, objects).
+struct EncodedBody {
     parts: Vec<Bytes>,
     tail: Bytes,
 }
@@ -121,10 +121,10 @@ struct Pending {
 
 pub struct Fanout {
     pub epoch: u64,
-    desired_tx: watch::Sender<Arc<Desired>>,
+    publication_tx: watch::Sender<Arc<Publication>>,
     synced_tx: watch::Sender<bool>,
     changes: Mutex<VecDeque<Change>>,
-    bodies: Mutex<HashMap<BodyKey, Arc<Body2>>>,
+    bodies: Mutex<HashMap<BodyKey, Arc<EncodedBody>>>,
     pending: Mutex<BTreeMap<u64, Pending>>,
     pub nodes: Mutex<HashMap<String, NodeState>>,
     pub metrics: Arc<Metrics>,
@@ -140,7 +140,7 @@ impl Fanout {
         max_concurrent_snapshots: usize,
         part_elements: usize,
     ) -> Arc<Self> {
-        let (desired_tx, _) = watch::channel(Arc::new(Desired::default()));
+        let (publication_tx, _) = watch::channel(Arc::new(Publication::default()));
         let (synced_tx, _) = watch::channel(false);
         let epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -149,7 +149,7 @@ impl Fanout {
             ^ rand::random::<u32>() as u64;
         Arc::new(Fanout {
             epoch,
-            desired_tx,
+            publication_tx,
             synced_tx,
             changes: Mutex::new(VecDeque::new()),
             bodies: Mutex::new(HashMap::new()),
@@ -163,24 +163,20 @@ impl Fanout {
         })
     }
 
-    /// Publishes a new desired state. A publication that changes no variant's content is
-    /// dropped, so nothing reaches the streams.
+    /// Publishes a new desired state: the shared model and every node's overlay, with the
+    /// trigger times and names of the objects whose changes it folds in. A publication that
+    /// changes neither the shared model's content nor any overlay is dropped, so nothing reaches
+    /// the streams.
     pub fn publish(
         &self,
-        variants: HashMap<NodeView, Arc<Model>>,
+        shared: Arc<Model>,
         overlays: imbl::HashMap<String, Arc<Model>>,
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
     ) {
-        let current = self.desired_tx.borrow().clone();
+        let current = self.publication_tx.borrow().clone();
         let unchanged = current.version > 0
-            && current.variants.len() == variants.len()
-            && variants.iter().all(|(v, m)| {
-                current
-                    .variants
-                    .get(v)
-                    .is_some_and(|c| c.digest() == m.digest())
-            })
+            && current.shared.digest() == shared.digest()
             && current.overlays.ptr_eq(&overlays);
         if unchanged {
             return;
@@ -223,9 +219,9 @@ impl Fanout {
         self.metrics
             .publications
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.desired_tx.send_replace(Arc::new(Desired {
+        self.publication_tx.send_replace(Arc::new(Publication {
             version,
-            variants,
+            shared,
             overlays,
         }));
     }
@@ -242,29 +238,29 @@ impl Fanout {
         *self.synced_tx.borrow()
     }
 
-    pub fn subscribe(&self) -> (watch::Receiver<Arc<Desired>>, watch::Receiver<bool>) {
-        (self.desired_tx.subscribe(), self.synced_tx.subscribe())
+    pub fn subscribe(&self) -> (watch::Receiver<Arc<Publication>>, watch::Receiver<bool>) {
+        (self.publication_tx.subscribe(), self.synced_tx.subscribe())
     }
 
-    pub fn desired(&self) -> Arc<Desired> {
-        self.desired_tx.borrow().clone()
-    }
-
-    /// The view of a node. Every node shares one view until per-node semantics arrive.
-    pub fn view_of(&self, _node: &str) -> NodeView {
-        NodeView::default()
+    /// The latest publication.
+    pub fn publication(&self) -> Arc<Publication> {
+        self.publication_tx.borrow().clone()
     }
 
     /// The next update for a node standing at `base`, towards `desired`, as the frames to send
-    /// in order: the shared parts of its variant's body (encoded once for every node at the same
-    /// base), then one last part with the node's own overlay change and the digest. `None`
-    /// when the node already holds the desired state.
-    pub fn next_update(&self, node: &str, base: Option<&Held>, desired: &Desired) -> Option<Next> {
-        let view = self.view_of(node);
-        let target = desired.held(node, &view)?;
+    /// in order: the shared parts of the body (encoded once for every node at the same base),
+    /// then one last part with the node's own overlay change and the digest. `Current` when the
+    /// node already holds the desired state; `None` before the first publication.
+    pub fn next_update(
+        &self,
+        node: &str,
+        base: Option<&Held>,
+        desired: &Publication,
+    ) -> Option<Next> {
+        let target = desired.held(node)?;
         let same = |a: &Arc<Model>, b: &Arc<Model>| Arc::ptr_eq(a, b) || a.digest() == b.digest();
         if let Some(b) = base
-            && same(&b.model, &target.model)
+            && same(&b.shared, &target.shared)
             && same(&b.overlay, &target.overlay)
         {
             if b.version != target.version {
@@ -273,14 +269,14 @@ impl Fanout {
             return Some(Next::Current(target));
         }
         let base_version = base.map(|b| b.version).unwrap_or(0);
-        let key = (base_version, desired.version, view);
+        let key = (base_version, desired.version);
         let shared = self.body(&key, || {
             let body = match base {
-                Some(b) => Body::Delta(b.model.diff(&target.model)),
-                None => Body::Snapshot(target.model.to_ruleset()),
+                Some(b) => Body::Delta(b.shared.diff(&target.shared)),
+                None => Body::Snapshot(target.shared.to_ruleset()),
             };
             let (trigger_times, objects) = self.changes_between(base_version, desired.version);
-            Body2 {
+            EncodedBody {
                 parts: encode_parts(body, self.part_elements),
                 tail: encode_tail(trigger_times, objects),
             }
@@ -339,7 +335,7 @@ impl Fanout {
     }
 
     /// The encoded body for `key`, built once.
-    fn body(&self, key: &BodyKey, build: impl FnOnce() -> Body2) -> Arc<Body2> {
+    fn body(&self, key: &BodyKey, build: impl FnOnce() -> EncodedBody) -> Arc<EncodedBody> {
         if let Some(b) = self.bodies.lock().ok().and_then(|c| c.get(key).cloned()) {
             return b;
         }
@@ -353,7 +349,7 @@ impl Fanout {
                 let newest = key.1;
                 c.retain(|k, _| k.1 == newest);
             }
-            c.insert(key.clone(), b.clone());
+            c.insert(*key, b.clone());
         }
         b
     }
@@ -361,7 +357,11 @@ impl Fanout {
     /// Trigger times and objects of the publications after `after` up to `upto`. Versions in
     /// the log are consecutive, so the range is found by arithmetic, not by a scan: this runs for
     /// every distinct update body.
-    fn changes_between(&self, after: u64, upto: u64) -> (Vec<prost_types::Timestamp>, Vec<String>) {
+    pub(crate) fn changes_between(
+        &self,
+        after: u64,
+        upto: u64,
+    ) -> (Vec<prost_types::Timestamp>, Vec<String>) {
         let mut times = Vec::new();
         let mut objects = Vec::new();
         if let Ok(log) = self.changes.lock()
@@ -469,3 +469,6 @@ impl Fanout {
             .unwrap_or(0)
     }
 }
+
+#[cfg(test)]
+mod tests;

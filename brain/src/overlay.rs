@@ -18,7 +18,7 @@ use prost::Message;
 use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
 
-use crate::desired::Desired;
+use crate::desired::SharedRuleset;
 use crate::index::Index;
 use crate::objects::{NodeInfo, ObjectKey};
 use crate::rules::RulesConfig;
@@ -107,7 +107,7 @@ struct NodeOverlay {
 
 impl NodeOverlay {
     /// Gives back the dynamic sets this overlay uses.
-    fn release(&self, desired: &mut Desired) {
+    fn release(&self, desired: &mut SharedRuleset) {
         for share in std::iter::once(&self.facts).chain(self.shares.values()) {
             for (family, k) in share.iter() {
                 for d in &k.dynamic {
@@ -120,7 +120,7 @@ impl NodeOverlay {
     /// One more use of an element; the first puts it in the model.
     fn add_use(
         &mut self,
-        desired: &Desired,
+        desired: &SharedRuleset,
         (family, table): (IpFamily, &TableKey),
         set: SetRef,
         key: &[u8],
@@ -181,7 +181,7 @@ pub struct Overlays {
     layout: u64,
     /// Nodes whose overlay changed since [`Overlays::take_changed`].
     changed: HashSet<String>,
-    /// Endpoints the shared state computed for this publication ([`Desired::take_endpoints`]).
+    /// Endpoints the shared state computed for this publication ([`SharedRuleset::take_endpoints`]).
     computed: HashMap<ObjectKey, Arc<ServiceEndpoints>>,
 }
 
@@ -211,7 +211,7 @@ impl Overlays {
 
     /// Recomputes every overlay. `desired` was just rebuilt (its dynamic set counts start from
     /// the shared state alone), so nothing is released.
-    pub fn rebuild(&mut self, index: &Index, desired: &mut Desired) {
+    pub fn rebuild(&mut self, index: &Index, desired: &mut SharedRuleset) {
         self.computed = desired.take_endpoints();
         self.changed.extend(self.nodes.keys().cloned());
         self.nodes.clear();
@@ -231,7 +231,7 @@ impl Overlays {
     pub fn update<'a>(
         &mut self,
         index: &Index,
-        desired: &mut Desired,
+        desired: &mut SharedRuleset,
         services: impl Iterator<Item = &'a ObjectKey>,
         nodes: impl Iterator<Item = &'a String>,
     ) {
@@ -249,7 +249,7 @@ impl Overlays {
         self.computed.clear();
     }
 
-    fn release_all(&mut self, desired: &mut Desired) {
+    fn release_all(&mut self, desired: &mut SharedRuleset) {
         for n in self.nodes.values() {
             n.release(desired);
         }
@@ -260,7 +260,7 @@ impl Overlays {
     fn update_nodes<'a>(
         &mut self,
         index: &Index,
-        desired: &mut Desired,
+        desired: &mut SharedRuleset,
         names: impl Iterator<Item = &'a String>,
     ) {
         for name in names {
@@ -298,7 +298,7 @@ impl Overlays {
     fn update_services<'a>(
         &mut self,
         index: &Index,
-        desired: &mut Desired,
+        desired: &mut SharedRuleset,
         keys: impl Iterator<Item = &'a ObjectKey>,
     ) {
         for key in keys {
@@ -393,7 +393,7 @@ impl Overlays {
 
 /// Swaps a share of a node's overlay: elements counted per key (so a pod serving two Services
 /// keeps its hairpin pair until both let go), dynamic sets acquired from the shared model.
-fn replace(overlay: &mut NodeOverlay, desired: &mut Desired, old: &Share, new: &Share) {
+fn replace(overlay: &mut NodeOverlay, desired: &mut SharedRuleset, old: &Share, new: &Share) {
     for family in IpFamily::ALL {
         let (o, n) = (&old[family], &new[family]);
         if o == n || !desired.has_table(family) {

@@ -2,7 +2,7 @@
 //! introspection for operators.
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use splitproxy_proto::frames::UpdateFrame;
@@ -11,12 +11,12 @@ use splitproxy_proto::v1::{
     GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeStatus,
     SyncRequest, sync_request,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::fanout::{Fanout, Next};
+use crate::fanout::{Fanout, Next, Publication};
 use crate::tls;
 
 /// How long the brain waits for an ack before it gives up on the stream.
@@ -81,7 +81,7 @@ impl Dataplane for DataplaneService {
         &self,
         _request: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        let desired = self.fanout.desired();
+        let desired = self.fanout.publication();
         let nodes = self
             .fanout
             .nodes
@@ -117,9 +117,9 @@ impl Dataplane for DataplaneService {
         request: Request<GetNodeRulesetRequest>,
     ) -> Result<Response<GetNodeRulesetResponse>, Status> {
         let node = request.into_inner().node;
-        let desired = self.fanout.desired();
+        let desired = self.fanout.publication();
         let held = desired
-            .held(&node, &self.fanout.view_of(&node))
+            .held(&node)
             .ok_or_else(|| Status::unavailable("no desired state yet"))?;
         let ruleset = held.full().to_ruleset();
         Ok(Response::new(GetNodeRulesetResponse {
@@ -215,10 +215,42 @@ async fn session(
         } else {
             tracing::warn!(node, generation, error = %ack.error, "node failed to apply update; next is a snapshot");
             base = None;
-            tokio::select! {
-                _ = tokio::time::sleep(NACK_BACKOFF) => {}
-                _ = desired_rx.changed() => {}
-            }
+            NackBackoff::new(desired.version, Instant::now(), NACK_BACKOFF)
+                .wait(&mut desired_rx)
+                .await;
+        }
+    }
+}
+
+/// When a node that NACKed an update gets its next attempt (a snapshot): after `backoff`, or
+/// as soon as the desired state moves past the version it failed on, whichever comes first. A
+/// node whose kernel keeps rejecting the same state is not sent it in a tight loop, and a node
+/// that failed on a state already replaced is not kept waiting for the backoff.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NackBackoff {
+    /// The publication the failed update was computed from.
+    nacked_version: u64,
+    retry_at: Instant,
+}
+
+impl NackBackoff {
+    pub(crate) fn new(nacked_version: u64, now: Instant, backoff: Duration) -> Self {
+        NackBackoff {
+            nacked_version,
+            retry_at: now + backoff,
+        }
+    }
+
+    /// Whether the next attempt may go at `now` while `desired_version` is published.
+    pub(crate) fn may_retry(&self, now: Instant, desired_version: u64) -> bool {
+        now >= self.retry_at || desired_version != self.nacked_version
+    }
+
+    /// Waits until [`NackBackoff::may_retry`] holds (or the publisher is gone).
+    pub(crate) async fn wait(&self, desired: &mut watch::Receiver<Arc<Publication>>) {
+        tokio::select! {
+            _ = tokio::time::sleep_until(self.retry_at.into()) => {}
+            _ = desired.wait_for(|p| self.may_retry(Instant::now(), p.version)) => {}
         }
     }
 }
@@ -230,5 +262,76 @@ fn unexpected(msg: Option<Result<SyncRequest, Status>>) -> Result<(), Status> {
         Some(Ok(_)) => Err(Status::invalid_argument(
             "unexpected message: only acks follow Hello",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use splitproxy_proto::model::Model;
+
+    use super::NackBackoff;
+    use crate::fanout::Fanout;
+    use crate::metrics::Metrics;
+
+    fn shared(n: usize) -> Arc<Model> {
+        let mut m = Model::default();
+        m.upsert_table(&(splitproxy_proto::v1::Family::Ip, format!("t{n}")), "");
+        Arc::new(m)
+    }
+
+    #[test]
+    fn after_a_nack_no_retry_before_the_backoff_unless_the_state_moves() {
+        let t0 = Instant::now();
+        let b = NackBackoff::new(7, t0, Duration::from_secs(2));
+        assert!(!b.may_retry(t0, 7));
+        assert!(!b.may_retry(t0 + Duration::from_millis(1999), 7));
+        assert!(b.may_retry(t0 + Duration::from_secs(2), 7), "backoff over");
+        assert!(b.may_retry(t0, 8), "a newer desired state goes at once");
+    }
+
+    /// The wait of a session after a NACK: the backoff, cut short by a new publication but not
+    /// by one that changes nothing (dropped).
+    #[tokio::test]
+    async fn the_wait_ends_at_the_backoff_or_at_a_new_publication() {
+        let fanout = Fanout::new(Arc::new(Metrics::default()), 1, 1024);
+        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        let (mut rx, _) = fanout.subscribe();
+        let version = rx.borrow_and_update().version;
+
+        // Nothing new (an equal publication is dropped): the whole backoff.
+        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        let start = Instant::now();
+        NackBackoff::new(version, start, Duration::from_millis(150))
+            .wait(&mut rx)
+            .await;
+        assert!(start.elapsed() >= Duration::from_millis(150));
+
+        // A new state during a long backoff: the retry goes then.
+        let start = Instant::now();
+        let backoff = NackBackoff::new(version, start, Duration::from_secs(30));
+        let publisher = {
+            let fanout = fanout.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                fanout.publish(shared(2), Default::default(), vec![], vec![]);
+            })
+        };
+        tokio::time::timeout(Duration::from_secs(10), backoff.wait(&mut rx))
+            .await
+            .expect("woken by the new state, long before the backoff");
+        assert!(start.elapsed() >= Duration::from_millis(50));
+        publisher.await.expect("publisher");
+
+        // A state that moved before the wait started: no wait at all.
+        let start = Instant::now();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            NackBackoff::new(version, start, Duration::from_secs(30)).wait(&mut rx),
+        )
+        .await
+        .expect("no wait");
     }
 }

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use splitproxy_brain::index::Index;
 use splitproxy_brain::metrics::Metrics;
 use splitproxy_brain::objects::{self, ObjectKey};
-use splitproxy_brain::rules::{self, NodeView, PREALLOCATED_COUNTS, RulesConfig};
+use splitproxy_brain::rules::{self, PREALLOCATED_COUNTS, RulesConfig};
 use splitproxy_proto::model::Model;
 use splitproxy_proto::render;
 use splitproxy_proto::v1::{
@@ -167,7 +167,7 @@ impl Cluster {
     }
 
     fn ruleset(&self) -> Ruleset {
-        rules::ruleset(&self.index, &self.config, &NodeView::default())
+        rules::ruleset(&self.index, &self.config)
     }
 }
 
@@ -1040,8 +1040,7 @@ fn churn_moves_elements_not_jumps() {
     let mut before = Model::from_ruleset(&c.ruleset());
     // The brain's incremental state, fed only the name of the Service each step touches, must
     // stay equal to the ruleset computed from scratch.
-    let mut incremental =
-        splitproxy_brain::desired::Desired::new(c.config.clone(), Default::default());
+    let mut incremental = splitproxy_brain::desired::SharedRuleset::new(c.config.clone());
     incremental.rebuild(&c.index);
     let mut rng = Lcg(99);
     let mut chain_changes = 0;

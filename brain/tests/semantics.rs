@@ -539,12 +539,12 @@ fn session_affinity_and_hairpin_and_proxy_name() {
 /// computed from scratch, node by node, and their digests add up to the node's whole table.
 #[test]
 fn incremental_overlays_equal_rebuilt_ones() {
-    use splitproxy_brain::desired::Desired;
+    use splitproxy_brain::desired::SharedRuleset;
     use splitproxy_brain::overlay::Overlays;
     use splitproxy_proto::model::Model;
 
     let mut c = Cluster::new();
-    let mut d = Desired::new(c.config.clone(), rules::NodeView::default());
+    let mut d = SharedRuleset::new(c.config.clone());
     d.rebuild(&c.index);
     let mut o = Overlays::new(c.config.clone());
     o.rebuild(&c.index, &mut d);

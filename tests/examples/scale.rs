@@ -11,12 +11,12 @@ use std::time::Instant;
 
 use splitproxy_actuator::apply::Applier;
 use splitproxy_actuator::nft::NftSocket;
-use splitproxy_brain::desired::Desired;
+use splitproxy_brain::desired::SharedRuleset;
 use splitproxy_brain::index::Index;
 use splitproxy_brain::metrics::Metrics;
 use splitproxy_brain::objects::{self, NodeInfo, ObjectKey};
 use splitproxy_brain::overlay::Overlays;
-use splitproxy_brain::rules::{NodeView, RulesConfig};
+use splitproxy_brain::rules::RulesConfig;
 use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Update, update::Body};
 
@@ -56,7 +56,7 @@ fn slice(i: u32, e: u32, round: u32, nodes: u32) -> k8s_openapi::api::discovery:
 /// publication does.
 fn brain_changes(
     index: &mut Index,
-    d: &mut Desired,
+    d: &mut SharedRuleset,
     overlays: &mut Overlays,
     metrics: &Metrics,
     (s, e, nodes): (u32, u32, u32),
@@ -179,7 +179,7 @@ fn main() -> anyhow::Result<()> {
         "brain: index of {s} Services x {e}, {nodes} Nodes: {}",
         rss()
     );
-    let mut d = Desired::new(RulesConfig::default(), NodeView::default());
+    let mut d = SharedRuleset::new(RulesConfig::default());
     let t = Instant::now();
     d.rebuild(&index);
     println!(
@@ -227,7 +227,7 @@ fn main() -> anyhow::Result<()> {
     let mut generation = 1;
     let mut step = |name: &str,
                     index: &mut Index,
-                    d: &mut Desired,
+                    d: &mut SharedRuleset,
                     svc: &str,
                     f: &mut dyn FnMut(&mut Index)| {
         f(index);

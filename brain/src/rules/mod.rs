@@ -131,23 +131,18 @@ impl Default for RulesConfig {
     }
 }
 
-/// Per-node inputs shared by a group of nodes. Everything node-specific lives in each node's
-/// overlay ([`contribution::node`]), so all nodes share one view today.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
-pub struct NodeView {}
-
 /// The ruleset every node holds (without its own overlay), computed from scratch. The brain
-/// maintains the same thing incrementally ([`crate::desired::Desired`]); this is the reference
-/// it must equal.
-pub fn ruleset(index: &Index, config: &RulesConfig, view: &NodeView) -> Ruleset {
-    let mut d = crate::desired::Desired::new(config.clone(), view.clone());
+/// maintains the same thing incrementally ([`crate::desired::SharedRuleset`]); this is the
+/// reference it must equal.
+pub fn ruleset(index: &Index, config: &RulesConfig) -> Ruleset {
+    let mut d = crate::desired::SharedRuleset::new(config.clone());
     d.rebuild(index);
     d.model().to_ruleset()
 }
 
 /// The full ruleset of `node`: the shared one plus its overlay, computed from scratch.
 pub fn node_ruleset(index: &Index, config: &RulesConfig, node: &str) -> Ruleset {
-    let mut d = crate::desired::Desired::new(config.clone(), NodeView::default());
+    let mut d = crate::desired::SharedRuleset::new(config.clone());
     d.rebuild(index);
     let mut overlays = crate::overlay::Overlays::new(config.clone());
     overlays.rebuild(index, &mut d);

@@ -1,11 +1,20 @@
 //! The brain's in-memory index of the cluster: Services, their EndpointSlices and Nodes, as
 //! reduced by [`crate::objects`]. Each resource follows the contract apply / delete / reset
 //! (a relist replaces the whole resource at once), so a relist never exposes half a cluster.
+//!
+//! [`Indexer`] is the state machine around it: it folds watch events into the index, holds
+//! publications until every list is complete, and publishes the state computed from it.
+mod indexer;
+mod listing;
+
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::objects::{NodeInfo, ObjectKey, ServiceInfo, SliceInfo};
 
+pub use indexer::{Indexer, WatchEvent};
+
+/// The cluster as the rules see it, by object.
 #[derive(Debug, Default, Clone)]
 pub struct Index {
     services: HashMap<ObjectKey, Arc<ServiceInfo>>,

@@ -1,0 +1,389 @@
+//! The fan-out state machine without streams: publications in, a node's next update out, its
+//! answers recorded, as `server::session` drives it.
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prost::Message;
+use prost_types::Timestamp;
+use splitproxy_proto::frames::UpdateFrame;
+use splitproxy_proto::model::Model;
+use splitproxy_proto::v1::{
+    Ack, Applied, DataType, Element, Family, Ruleset, Set, Table, Update, datum, update::Body,
+};
+
+use super::{Fanout, Held, Next};
+use crate::metrics::Metrics;
+
+// ---- models and publications ----
+
+/// A one-table, one-set model holding the integers `elements`.
+fn model(elements: impl IntoIterator<Item = u32>) -> Arc<Model> {
+    let elements = elements
+        .into_iter()
+        .map(|i| Element {
+            key: vec![splitproxy_proto::v1::Datum {
+                value: Some(datum::Value::U32(i)),
+            }],
+            ..Element::default()
+        })
+        .collect();
+    Arc::new(Model::from_ruleset(&Ruleset {
+        tables: vec![Table {
+            family: Family::Ip as i32,
+            name: "splitproxy".into(),
+            sets: vec![Set {
+                name: "numbers".into(),
+                key: vec![DataType::Integer as i32],
+                elements,
+                ..Set::default()
+            }],
+            ..Table::default()
+        }],
+    }))
+}
+
+fn at(seconds: i64) -> Timestamp {
+    Timestamp { seconds, nanos: 0 }
+}
+
+fn fanout() -> Arc<Fanout> {
+    Fanout::new(Arc::new(Metrics::default()), 4, 1024)
+}
+
+type Overlays = imbl::HashMap<String, Arc<Model>>;
+
+fn overlays(nodes: &[(&str, u32)]) -> Overlays {
+    nodes
+        .iter()
+        .map(|(n, e)| (n.to_string(), model([*e])))
+        .collect()
+}
+
+/// Publishes `shared` with `overlays`, one change triggered at `trigger` seconds.
+fn publish(f: &Fanout, shared: Arc<Model>, overlays: &Overlays, trigger: i64) -> u64 {
+    f.publish(
+        shared,
+        overlays.clone(),
+        vec![at(trigger)],
+        vec![format!("change {trigger}")],
+    );
+    f.publication().version
+}
+
+// ---- a node ----
+
+/// The update `node` standing at `base` gets now; panics when there is none to send.
+fn send(f: &Fanout, node: &str, base: Option<&Held>) -> (Vec<UpdateFrame>, Held) {
+    match f.next_update(node, base, &f.publication()) {
+        Some(Next::Send(frames, held)) => (frames, held),
+        Some(Next::Current(held)) => panic!("{node} is current at {}", held.version),
+        None => panic!("nothing published"),
+    }
+}
+
+/// The node's answer to `frames`.
+fn answer(f: &Fanout, node: &str, frames: &[UpdateFrame], sent: Held, ok: bool) -> bool {
+    let ack = Ack {
+        generation: frames[0].generation,
+        ok,
+        error: if ok {
+            String::new()
+        } else {
+            "kernel says no".into()
+        },
+        apply_duration: Some(prost_types::Duration {
+            seconds: 0,
+            nanos: 5_000_000,
+        }),
+    };
+    f.record_ack(node, &ack, sent)
+}
+
+/// Sends `node` its next update and acks it; returns the state it holds then.
+fn sync(f: &Fanout, node: &str, base: Option<&Held>) -> Held {
+    let (frames, held) = send(f, node, base);
+    assert!(answer(f, node, &frames, held.clone(), true));
+    held
+}
+
+/// The frames as the node decodes them.
+fn decode(frames: &[UpdateFrame]) -> Vec<Update> {
+    frames
+        .iter()
+        .map(|f| Update::decode(&f.encode_to_vec()[..]).expect("an Update"))
+        .collect()
+}
+
+/// The shared body of an update: its shared parts joined, as the actuator joins them (the last
+/// frame's body is the node's own).
+fn shared_body(updates: &[Update]) -> Body {
+    let (_own, shared) = updates.split_last().expect("frames");
+    assert!(
+        shared.iter().all(|u| u.more),
+        "every shared part says more follows"
+    );
+    splitproxy_proto::parts::join(shared.iter().filter_map(|u| u.body.clone()))
+        .expect("parts of one body")
+}
+
+fn node_state(f: &Fanout, node: &str) -> super::NodeState {
+    f.nodes
+        .lock()
+        .unwrap()
+        .get(node)
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn applied(f: &Fanout, node: &str) -> Applied {
+    let st = node_state(f, node);
+    Applied {
+        brain_epoch: f.epoch,
+        generation: st.acked_generation,
+        digest: st.acked.expect("acked").digest(),
+    }
+}
+
+// ---- coalescing ----
+
+/// Publications made while a node has not acked fold into its next update: it goes from what
+/// the node holds straight to the latest, as one generation, with the trigger times of every
+/// publication in between.
+#[test]
+fn a_busy_node_gets_the_latest_state_with_every_trigger_time() {
+    let f = fanout();
+    f.set_connected("n1", true, "peer");
+    let none = Overlays::new();
+    publish(&f, model([1]), &none, 1);
+    let v1 = sync(&f, "n1", None);
+
+    // The node is idle, holding v1: v2..v4 are published meanwhile.
+    for i in 2..=4 {
+        publish(&f, model(1..=i), &none, i as i64);
+    }
+    let (frames, held) = send(&f, "n1", Some(&v1));
+    assert_eq!(held.version, 4, "straight to the latest");
+    assert!(frames.iter().all(|fr| fr.generation == 2), "one update");
+    assert!(frames.iter().all(|fr| fr.base_generation == 1));
+    let updates = decode(&frames);
+    let Body::Delta(delta) = shared_body(&updates) else {
+        panic!("a delta from what the node holds")
+    };
+    let mut m = (*v1.shared).clone();
+    m.apply(&delta);
+    assert_eq!(m.digest(), model(1..=4).digest());
+    let last = updates.last().expect("frames");
+    assert_eq!(last.trigger_times, vec![at(2), at(3), at(4)]);
+    assert_eq!(last.objects, vec!["change 2", "change 3", "change 4"]);
+    assert_eq!(last.digest, held.digest());
+    assert!(answer(&f, "n1", &frames, held.clone(), true));
+
+    // An update in flight (v5) while v6 and v7 come: after its ack, the next one goes from v5
+    // to v7 with only their trigger times.
+    publish(&f, model(1..=5), &none, 5);
+    let (frames, v5) = send(&f, "n1", Some(&held));
+    publish(&f, model(1..=6), &none, 6);
+    publish(&f, model(1..=7), &none, 7);
+    assert!(answer(&f, "n1", &frames, v5.clone(), true));
+    let (frames, v7) = send(&f, "n1", Some(&v5));
+    assert_eq!(v7.version, 7);
+    assert_eq!(
+        decode(&frames).last().expect("frames").trigger_times,
+        vec![at(6), at(7)]
+    );
+}
+
+// ---- acks ----
+
+/// An ack records the generation and what the node holds; a publication's fan-out is timed
+/// once every node connected when it was published has acked it, or left.
+#[test]
+fn an_ack_records_the_held_state_and_settles_fanout_timing() {
+    let f = fanout();
+    f.set_connected("n1", true, "peer-1");
+    f.set_connected("n2", true, "peer-2");
+    let o = overlays(&[("n1", 100), ("n2", 200)]);
+    publish(&f, model([1]), &o, 1);
+    let fanout_count = || {
+        f.metrics
+            .render(0)
+            .lines()
+            .find_map(|l| l.strip_prefix("splitproxy_brain_fanout_duration_seconds_count "))
+            .map(str::to_owned)
+    };
+    assert_eq!(fanout_count().as_deref(), Some("0"));
+
+    let (frames, held) = send(&f, "n1", None);
+    assert!(answer(&f, "n1", &frames, held, true));
+    let st = node_state(&f, "n1");
+    assert_eq!((st.generation, st.acked_generation), (1, 1));
+    let acked = st.acked.expect("held state recorded");
+    assert_eq!(acked.version, 1);
+    assert_eq!(acked.digest(), model([1]).digest_with(&model([100])));
+    assert_eq!(st.last_apply, Some(std::time::Duration::from_millis(5)));
+    assert!(st.last_error.is_empty());
+    assert_eq!(fanout_count().as_deref(), Some("0"), "n2 has not acked");
+
+    let n2 = sync(&f, "n2", None);
+    assert_eq!(fanout_count().as_deref(), Some("1"), "every node acked v1");
+    assert!(f.pending.lock().unwrap().is_empty());
+
+    // A publication that changes only n2's overlay: n1 is current at it without an update.
+    let o2 = overlays(&[("n1", 100), ("n2", 201)]);
+    publish(&f, model([1]), &o2, 2);
+    match f.next_update("n1", Some(&acked), &f.publication()) {
+        Some(Next::Current(h)) => assert_eq!(h.version, 2),
+        _ => panic!("n1 holds v2 already"),
+    }
+    assert_eq!(node_state(&f, "n1").acked.expect("acked").version, 2);
+    assert_eq!(node_state(&f, "n1").generation, 1, "no update sent");
+    // n2 leaves without acking v2: the fan-out of v2 is settled.
+    let (_frames, _v2) = send(&f, "n2", Some(&n2));
+    f.set_connected("n2", false, "peer-2");
+    assert_eq!(fanout_count().as_deref(), Some("2"));
+    assert!(f.pending.lock().unwrap().is_empty());
+}
+
+// ---- NACKs ----
+
+/// A NACK drops what the brain believed the node holds: the error is kept, it cannot resume
+/// from there, and its next update is a snapshot.
+#[test]
+fn a_nack_makes_the_next_update_a_snapshot() {
+    let f = fanout();
+    f.set_connected("n1", true, "peer");
+    let none = Overlays::new();
+    publish(&f, model([1]), &none, 1);
+    let v1 = sync(&f, "n1", None);
+    let before = applied(&f, "n1");
+    publish(&f, model([1, 2]), &none, 2);
+    let (frames, v2) = send(&f, "n1", Some(&v1));
+    assert_eq!(frames[0].base_generation, 1, "a delta");
+
+    assert!(!answer(&f, "n1", &frames, v2, false));
+    let st = node_state(&f, "n1");
+    assert!(st.acked.is_none(), "held state dropped");
+    assert_eq!(st.last_error, "kernel says no");
+    assert_eq!(f.metrics.nacks.load(Ordering::Relaxed), 1);
+    assert!(f.resume_point("n1", Some(&before)).is_none());
+
+    let snapshots = f.metrics.snapshots_sent.load(Ordering::Relaxed);
+    let (frames, held) = send(&f, "n1", None);
+    assert!(frames.iter().all(|fr| fr.base_generation == 0));
+    assert!(matches!(shared_body(&decode(&frames)), Body::Snapshot(_)));
+    assert_eq!(held.version, 2);
+    assert_eq!(
+        f.metrics.snapshots_sent.load(Ordering::Relaxed),
+        snapshots + 1
+    );
+}
+
+// ---- resumption ----
+
+/// A node reconnecting with what it applied resumes from there only if this brain sent it
+/// exactly that: same epoch, the generation it last acked, the same digest.
+#[test]
+fn resumption_needs_the_same_epoch_generation_and_digest() {
+    let f = fanout();
+    let none = Overlays::new();
+    publish(&f, model([1]), &none, 1);
+    let v1 = sync(&f, "n1", None);
+    let good = applied(&f, "n1");
+
+    let base = f.resume_point("n1", Some(&good)).expect("known base");
+    assert_eq!(base.version, 1);
+    assert!(matches!(
+        f.next_update("n1", Some(&base), &f.publication()),
+        Some(Next::Current(_))
+    ));
+    publish(&f, model([1, 2]), &none, 2);
+    let (frames, _) = send(&f, "n1", Some(&base));
+    assert_eq!(
+        frames[0].base_generation, good.generation,
+        "a delta on what it holds"
+    );
+    assert_eq!(v1.version, 1);
+    assert!(matches!(shared_body(&decode(&frames)), Body::Delta(_)));
+
+    let unknown = [
+        Applied {
+            brain_epoch: f.epoch ^ 1,
+            ..good.clone()
+        },
+        Applied {
+            generation: good.generation + 1,
+            ..good.clone()
+        },
+        Applied {
+            digest: vec![0; 16],
+            ..good.clone()
+        },
+    ];
+    for a in &unknown {
+        assert!(f.resume_point("n1", Some(a)).is_none(), "{a:?}");
+    }
+    assert!(f.resume_point("n2", Some(&good)).is_none(), "another node");
+    assert!(f.resume_point("n1", None).is_none(), "nothing applied");
+}
+
+// ---- the shared body cache ----
+
+/// Nodes at the same base share the encoded body: the same bytes, encoded once. Only the last
+/// frame's node part is their own.
+#[test]
+fn nodes_at_the_same_base_share_the_encoded_body() {
+    let f = fanout();
+    let o = overlays(&[("n1", 100), ("n2", 200)]);
+    publish(&f, model([1]), &o, 1);
+    let encodes = || f.metrics.encodes.load(Ordering::Relaxed);
+
+    let (s1, h1) = send(&f, "n1", None);
+    let (s2, h2) = send(&f, "n2", None);
+    assert_eq!(encodes(), 1, "one snapshot body for both");
+    for (a, b) in s1.iter().zip(&s2) {
+        assert_eq!(a.shared.as_ptr(), b.shared.as_ptr(), "the same bytes");
+    }
+    assert_ne!(s1.last().unwrap().extra, s2.last().unwrap().extra);
+    assert!(answer(&f, "n1", &s1, h1.clone(), true));
+    assert!(answer(&f, "n2", &s2, h2.clone(), true));
+
+    publish(&f, model([1, 2]), &o, 2);
+    let (d1, _) = send(&f, "n1", Some(&h1));
+    let (d2, _) = send(&f, "n2", Some(&h2));
+    assert_eq!(encodes(), 2, "one delta body for both");
+    assert_eq!(d1.len(), d2.len());
+    for (a, b) in d1.iter().zip(&d2) {
+        assert_eq!(a.shared.as_ptr(), b.shared.as_ptr(), "the same bytes");
+        assert_eq!(a.shared.len(), b.shared.len());
+    }
+    // A node at another base gets a body of its own.
+    let (s3, _) = send(&f, "n3", None);
+    assert_eq!(encodes(), 3);
+    assert_ne!(s3[0].shared.as_ptr(), d1[0].shared.as_ptr());
+}
+
+// ---- dropped publications ----
+
+/// A publication that changes neither the shared model's content nor any overlay is dropped:
+/// no new version, nothing for the streams.
+#[test]
+fn a_publication_that_changes_nothing_is_dropped() {
+    let f = fanout();
+    let (mut rx, _) = f.subscribe();
+    let o = overlays(&[("n1", 100)]);
+    assert_eq!(publish(&f, model([1]), &o, 1), 1);
+    rx.borrow_and_update();
+
+    // The same content in a new model, the same overlays.
+    assert_eq!(publish(&f, model([1]), &o, 2), 1);
+    assert!(!rx.has_changed().unwrap(), "the streams are not woken");
+    assert_eq!(f.metrics.publications.load(Ordering::Relaxed), 1);
+
+    // A changed overlay is a change.
+    let mut o2 = o.clone();
+    o2.insert("n2".into(), model([200]));
+    assert_eq!(publish(&f, model([1]), &o2, 3), 2);
+    assert!(rx.has_changed().unwrap());
+    // A changed shared model too.
+    assert_eq!(publish(&f, model([1, 2]), &o2, 4), 3);
+}
