@@ -12,8 +12,9 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli.component {
         Some(Component::Brain(args)) => {
-            splitproxy_brain::init_logging(&args.log_format);
-            runtime.block_on(splitproxy_brain::run::run(args))
+            let config = splitproxy_brain::config::BrainConfig::try_from(args)?;
+            splitproxy_brain::init_logging(&config.log_format);
+            runtime.block_on(splitproxy_brain::run::run(config))
         }
         Some(Component::Actuator(args)) => {
             splitproxy_actuator::init_logging(&args.log_format);

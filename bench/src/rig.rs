@@ -99,10 +99,9 @@ impl Rig {
             &self.dir,
             "brain",
             None,
-            &BrainOptions {
-                service_cidrs: vec![SERVICE_CIDR.to_string()],
-                extra_args: Vec::new(),
-            },
+            &BrainOptions::with_service_cidrs(&[SERVICE_CIDR
+                .parse()
+                .context("the benchmark's service CIDR")?]),
         )?;
         Ok(self.brain.insert(brain))
     }

@@ -1,6 +1,28 @@
-//! Command-line flags. Where a flag means what a kube-proxy flag means, it has its name.
+//! The brain's configuration: its command-line flags ([`Args`]) and the typed configuration the
+//! brain runs with ([`BrainConfig`]). Where a flag means what a kube-proxy flag means, it has its
+//! name.
+//!
+//! This file is the one place that knows the flags: [`BrainConfig::try_from`] parses and defaults
+//! them once, and [`BrainConfig::to_args`] renders a typed configuration back to flags for whoever
+//! spawns a brain process (the test harness, the lab, the benchmark), so no caller writes flag
+//! strings of its own. A new flag is a field of [`Args`], a field of [`BrainConfig`] (or of one of
+//! its parts), and a line in each direction here; the round-trip test below fails until all of
+//! them exist.
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::ValueEnum;
+
+use crate::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
+
+/// `--max-concurrent-snapshots`' default.
+pub const DEFAULT_MAX_CONCURRENT_SNAPSHOTS: usize = 32;
+/// `--update-part-elements`' default.
+pub const DEFAULT_UPDATE_PART_ELEMENTS: usize = 1024;
+/// `--min-publish-interval-ms`' default.
+pub const DEFAULT_MIN_PUBLISH_INTERVAL_MS: u64 = 200;
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -75,18 +97,18 @@ pub struct Args {
     pub streaming_lists: bool,
     /// Snapshots streamed at once; more nodes needing one wait their turn. Bounds the brain's
     /// memory when many nodes connect together (each in-flight snapshot is buffered per stream).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = DEFAULT_MAX_CONCURRENT_SNAPSHOTS)]
     pub max_concurrent_snapshots: usize,
     /// Set elements per message: larger snapshots and deltas are sent in parts of this size,
     /// which every node joins and applies as one transaction. Keeps every message (and every
     /// stream's encode buffer) small: each stream's buffers follow the largest message it
     /// carried, so at 5,000 nodes 2,048 elements (about 80 KB) cost the brain 1,100 MiB, 1,024
     /// cost 720 MiB with the same churn latency, and 512 saved no more but added 0.4 s to it.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = DEFAULT_UPDATE_PART_ELEMENTS)]
     pub update_part_elements: usize,
     /// Minimum time between two publications of desired state (milliseconds). Changes within
     /// it are folded into one update per node, like kube-proxy's minimum sync period.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = DEFAULT_MIN_PUBLISH_INTERVAL_MS)]
     pub min_publish_interval_ms: u64,
     /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once
     /// listening; with port 0 this lets a supervisor learn the ports without races.
@@ -95,4 +117,377 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     pub log_format: String,
+}
+
+/// Everything the brain runs with, typed. Built once from the flags ([`BrainConfig::try_from`]);
+/// test code builds it directly and spawns a brain with [`BrainConfig::to_args`].
+#[derive(Debug, Clone)]
+pub struct BrainConfig {
+    /// `--kubeconfig`; in-cluster configuration when `None`.
+    pub kubeconfig: Option<PathBuf>,
+    /// `--listen`: the gRPC address.
+    pub listen: SocketAddr,
+    /// The server's certificate and key, and the CA of its clients.
+    pub tls: TlsPaths,
+    /// `--metrics-bind-address`.
+    pub metrics_bind_address: SocketAddr,
+    /// `--bound-address-file`.
+    pub bound_address_file: Option<PathBuf>,
+    /// `--log-format`: `text` or `json` (see [`splitproxy_proto::process::init_logging`]).
+    pub log_format: String,
+    /// What the rulesets say: the kube-proxy-like flags and the table name.
+    pub rules: RulesConfig,
+    /// How the brain paces and sizes its work.
+    pub tuning: Tuning,
+}
+
+/// The PEM files of the gRPC server's mTLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsPaths {
+    /// `--tls-cert`.
+    pub cert: PathBuf,
+    /// `--tls-key`.
+    pub key: PathBuf,
+    /// `--client-ca`.
+    pub client_ca: PathBuf,
+}
+
+/// How the brain paces and sizes its work; the defaults are the flags' defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tuning {
+    /// `--streaming-lists`.
+    pub streaming_lists: bool,
+    /// `--max-concurrent-snapshots`.
+    pub max_concurrent_snapshots: usize,
+    /// `--update-part-elements`.
+    pub update_part_elements: usize,
+    /// `--min-publish-interval-ms`: changes within it are folded into one update per node.
+    pub min_publish_interval: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            streaming_lists: true,
+            max_concurrent_snapshots: DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
+            update_part_elements: DEFAULT_UPDATE_PART_ELEMENTS,
+            min_publish_interval: Duration::from_millis(DEFAULT_MIN_PUBLISH_INTERVAL_MS),
+        }
+    }
+}
+
+/// A flag value the brain cannot run with.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0}")]
+    NodePortAddresses(String),
+}
+
+impl TryFrom<Args> for BrainConfig {
+    type Error = ConfigError;
+
+    /// All parsing and defaulting of the flags.
+    fn try_from(args: Args) -> Result<Self, Self::Error> {
+        let detect_local = args
+            .detect_local_mode
+            .unwrap_or(if args.cluster_cidrs.is_empty() {
+                DetectLocalMode::None
+            } else {
+                DetectLocalMode::ClusterCidr
+            });
+        let nodeport_addresses = NodePortAddresses::parse(&args.nodeport_addresses)
+            .map_err(ConfigError::NodePortAddresses)?;
+        Ok(BrainConfig {
+            kubeconfig: args.kubeconfig,
+            listen: args.listen,
+            tls: TlsPaths {
+                cert: args.tls_cert,
+                key: args.tls_key,
+                client_ca: args.client_ca,
+            },
+            metrics_bind_address: args.metrics_bind_address,
+            bound_address_file: args.bound_address_file,
+            log_format: args.log_format,
+            rules: RulesConfig {
+                table: args.table,
+                service_cidrs: args.service_cidrs,
+                cluster_cidrs: args.cluster_cidrs,
+                detect_local,
+                pod_interface_name_prefix: args.pod_interface_name_prefix,
+                pod_bridge_interface: args.pod_bridge_interface,
+                nodeport_addresses,
+                masquerade_all: args.masquerade_all,
+                service_proxy_name: args.service_proxy_name,
+            },
+            tuning: Tuning {
+                streaming_lists: args.streaming_lists,
+                max_concurrent_snapshots: args.max_concurrent_snapshots,
+                update_part_elements: args.update_part_elements,
+                min_publish_interval: Duration::from_millis(args.min_publish_interval_ms),
+            },
+        })
+    }
+}
+
+impl BrainConfig {
+    /// The command-line arguments (without the program name) that give a brain exactly this
+    /// configuration. Paths stay `OsString`s, so any path survives.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = Vec::new();
+        let mut flag = |name: &str, value: OsString| {
+            args.push(name.into());
+            args.push(value);
+        };
+        if let Some(k) = &self.kubeconfig {
+            flag("--kubeconfig", k.into());
+        }
+        flag("--listen", self.listen.to_string().into());
+        flag("--tls-cert", self.tls.cert.clone().into());
+        flag("--tls-key", self.tls.key.clone().into());
+        flag("--client-ca", self.tls.client_ca.clone().into());
+        flag(
+            "--metrics-bind-address",
+            self.metrics_bind_address.to_string().into(),
+        );
+        if let Some(f) = &self.bound_address_file {
+            flag("--bound-address-file", f.into());
+        }
+        flag("--log-format", self.log_format.clone().into());
+        args.extend(self.rules.to_args().into_iter().map(OsString::from));
+        args.extend(self.tuning.to_args().into_iter().map(OsString::from));
+        args
+    }
+}
+
+impl RulesConfig {
+    /// The flags that give a brain these rules (see [`BrainConfig::to_args`]). Empty lists and
+    /// strings are left out, which is what their flags' defaults mean.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        let mut flag = |name: &str, value: String| {
+            args.push(name.to_string());
+            args.push(value);
+        };
+        flag("--table", self.table.clone());
+        if !self.service_cidrs.is_empty() {
+            flag("--service-cidr", join(&self.service_cidrs));
+        }
+        if !self.cluster_cidrs.is_empty() {
+            flag("--cluster-cidr", join(&self.cluster_cidrs));
+        }
+        // Always explicit: the flag's default depends on `--cluster-cidr`.
+        flag("--detect-local-mode", value_name(&self.detect_local));
+        if !self.pod_interface_name_prefix.is_empty() {
+            flag(
+                "--pod-interface-name-prefix",
+                self.pod_interface_name_prefix.clone(),
+            );
+        }
+        if !self.pod_bridge_interface.is_empty() {
+            flag("--pod-bridge-interface", self.pod_bridge_interface.clone());
+        }
+        flag(
+            "--nodeport-addresses",
+            match &self.nodeport_addresses {
+                NodePortAddresses::Primary => "primary".to_string(),
+                // An empty list has no flag form: the brain rejects the empty value.
+                NodePortAddresses::Cidrs(nets) => join(nets),
+            },
+        );
+        if !self.service_proxy_name.is_empty() {
+            flag("--service-proxy-name", self.service_proxy_name.clone());
+        }
+        if self.masquerade_all {
+            args.push("--masquerade-all".to_string());
+        }
+        args
+    }
+}
+
+impl Tuning {
+    /// The flags that give a brain this tuning (see [`BrainConfig::to_args`]).
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--streaming-lists".into(),
+            self.streaming_lists.to_string(),
+            "--max-concurrent-snapshots".into(),
+            self.max_concurrent_snapshots.to_string(),
+            "--update-part-elements".into(),
+            self.update_part_elements.to_string(),
+            "--min-publish-interval-ms".into(),
+            self.min_publish_interval.as_millis().to_string(),
+        ]
+    }
+}
+
+/// Comma-separated, as the list flags take them.
+fn join(nets: &[ipnet::IpNet]) -> String {
+    nets.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The name a `ValueEnum` value has on the command line, e.g. `ClusterCIDR`.
+fn value_name<T: ValueEnum>(value: &T) -> String {
+    // Every variant has a name (none is skipped); an empty one would be rejected loudly.
+    value
+        .to_possible_value()
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    fn parse(args: &[OsString]) -> BrainConfig {
+        let argv = std::iter::once(OsString::from("splitproxy-brain")).chain(args.iter().cloned());
+        BrainConfig::try_from(Args::try_parse_from(argv).unwrap()).unwrap()
+    }
+
+    fn os(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    /// Every field differs from its default, so a field that either direction forgets comes
+    /// back as its default and fails the comparison.
+    fn everything_set() -> BrainConfig {
+        BrainConfig {
+            kubeconfig: Some("/k/kubeconfig".into()),
+            listen: "127.0.0.2:7443".parse().unwrap(),
+            tls: TlsPaths {
+                cert: "/k/cert.pem".into(),
+                key: "/k/key.pem".into(),
+                client_ca: "/k/ca.pem".into(),
+            },
+            metrics_bind_address: "[::1]:9000".parse().unwrap(),
+            bound_address_file: Some("/k/bound".into()),
+            log_format: "json".into(),
+            rules: RulesConfig {
+                table: "other".into(),
+                service_cidrs: vec![
+                    "10.96.0.0/16".parse().unwrap(),
+                    "fd00:96::/112".parse().unwrap(),
+                ],
+                cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+                detect_local: DetectLocalMode::BridgeInterface,
+                pod_interface_name_prefix: "veth".into(),
+                pod_bridge_interface: "cbr0".into(),
+                nodeport_addresses: NodePortAddresses::Cidrs(vec![
+                    "192.168.77.0/24".parse().unwrap(),
+                    "fd00:77::/64".parse().unwrap(),
+                ]),
+                masquerade_all: true,
+                service_proxy_name: "sp".into(),
+            },
+            tuning: Tuning {
+                streaming_lists: false,
+                max_concurrent_snapshots: 3,
+                update_part_elements: 7,
+                min_publish_interval: Duration::from_millis(1500),
+            },
+        }
+    }
+
+    #[test]
+    fn flags_round_trip_through_the_typed_config() {
+        let expected = everything_set();
+        // Args -> config, from flags written by hand.
+        let by_hand = parse(&os(&[
+            "--kubeconfig=/k/kubeconfig",
+            "--listen=127.0.0.2:7443",
+            "--tls-cert=/k/cert.pem",
+            "--tls-key=/k/key.pem",
+            "--client-ca=/k/ca.pem",
+            "--metrics-bind-address=[::1]:9000",
+            "--bound-address-file=/k/bound",
+            "--log-format=json",
+            "--table=other",
+            "--service-cidr=10.96.0.0/16",
+            "--service-cidr=fd00:96::/112",
+            "--cluster-cidr=10.244.0.0/16",
+            "--detect-local-mode=BridgeInterface",
+            "--pod-interface-name-prefix=veth",
+            "--pod-bridge-interface=cbr0",
+            "--nodeport-addresses=192.168.77.0/24,fd00:77::/64",
+            "--masquerade-all",
+            "--service-proxy-name=sp",
+            "--streaming-lists=false",
+            "--max-concurrent-snapshots=3",
+            "--update-part-elements=7",
+            "--min-publish-interval-ms=1500",
+        ]));
+        assert_eq!(format!("{by_hand:?}"), format!("{expected:?}"));
+        // config -> args -> config.
+        let rendered = expected.to_args();
+        let again = parse(&rendered);
+        assert_eq!(format!("{again:?}"), format!("{expected:?}"));
+        // Every flag the brain has is rendered: one added to `Args` but not to `to_args` fails.
+        let rendered: Vec<String> = rendered
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        for arg in Args::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if matches!(long, "help" | "version") {
+                continue;
+            }
+            assert!(
+                rendered.contains(&format!("--{long}")),
+                "--{long} is not rendered by to_args: {rendered:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn defaults_are_the_flags_defaults() {
+        let tls = os(&["--tls-cert=c", "--tls-key=k", "--client-ca=a"]);
+        let config = parse(&tls);
+        assert_eq!(config.listen, "0.0.0.0:9443".parse().unwrap());
+        assert_eq!(
+            config.metrics_bind_address,
+            "127.0.0.1:10249".parse().unwrap()
+        );
+        assert_eq!(config.log_format, "text");
+        assert_eq!(config.tuning, Tuning::default());
+        assert_eq!(
+            format!("{:?}", config.rules),
+            format!("{:?}", RulesConfig::default())
+        );
+        assert_eq!(
+            format!("{:?}", parse(&config.to_args())),
+            format!("{config:?}")
+        );
+        // detect-local mode: ClusterCIDR once there is a cluster CIDR.
+        let with_cidr = parse(&[tls.clone(), os(&["--cluster-cidr=10.244.0.0/16"])].concat());
+        assert_eq!(with_cidr.rules.detect_local, DetectLocalMode::ClusterCidr);
+        let explicit = parse(
+            &[
+                tls.clone(),
+                os(&[
+                    "--cluster-cidr=10.244.0.0/16",
+                    "--detect-local-mode=NodeCIDR",
+                ]),
+            ]
+            .concat(),
+        );
+        assert_eq!(explicit.rules.detect_local, DetectLocalMode::NodeCidr);
+    }
+
+    #[test]
+    fn bad_nodeport_addresses_are_refused() {
+        let args = Args::try_parse_from([
+            "splitproxy-brain",
+            "--tls-cert=c",
+            "--tls-key=k",
+            "--client-ca=a",
+            "--nodeport-addresses=10.0.0.0/8,nonsense",
+        ])
+        .unwrap();
+        let err = BrainConfig::try_from(args).unwrap_err();
+        assert!(err.to_string().contains("nonsense"), "{err}");
+    }
 }

@@ -1,8 +1,9 @@
 use clap::Parser;
+use splitproxy_brain::config::{Args, BrainConfig};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = splitproxy_brain::config::Args::parse();
-    splitproxy_brain::init_logging(&args.log_format);
-    splitproxy_brain::run::run(args).await
+    let config = BrainConfig::try_from(Args::parse())?;
+    splitproxy_brain::init_logging(&config.log_format);
+    splitproxy_brain::run::run(config).await
 }

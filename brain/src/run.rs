@@ -8,41 +8,24 @@ use splitproxy_proto::transport;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
-use crate::config::Args;
+use crate::config::BrainConfig;
 use crate::fanout::Fanout;
 use crate::metrics::Metrics;
-use crate::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
 use crate::server::DataplaneService;
 use crate::{http, tls, watch};
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
+/// Runs the brain with `config` (see [`crate::config`] for how flags become one) until SIGTERM or
+/// SIGINT.
+pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     // Fail fast on a bad kubeconfig; the watch thread builds its own client on its runtime.
-    kube_client(&args).await?;
+    kube_client(config.kubeconfig.as_deref()).await?;
     let metrics = Arc::new(Metrics::default());
     let fanout = Fanout::new(
         metrics,
-        args.max_concurrent_snapshots,
-        args.update_part_elements,
+        config.tuning.max_concurrent_snapshots,
+        config.tuning.update_part_elements,
     );
-    let config = RulesConfig {
-        table: args.table.clone(),
-        service_cidrs: args.service_cidrs.clone(),
-        cluster_cidrs: args.cluster_cidrs.clone(),
-        detect_local: args
-            .detect_local_mode
-            .unwrap_or(if args.cluster_cidrs.is_empty() {
-                DetectLocalMode::None
-            } else {
-                DetectLocalMode::ClusterCidr
-            }),
-        pod_interface_name_prefix: args.pod_interface_name_prefix.clone(),
-        pod_bridge_interface: args.pod_bridge_interface.clone(),
-        nodeport_addresses: NodePortAddresses::parse(&args.nodeport_addresses)
-            .map_err(anyhow::Error::msg)?,
-        masquerade_all: args.masquerade_all,
-        service_proxy_name: args.service_proxy_name.clone(),
-    };
-    tracing::info!(epoch = fanout.epoch, listen = %args.listen, ?config, "starting brain");
+    tracing::info!(epoch = fanout.epoch, listen = %config.listen, ?config, "starting brain");
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -78,15 +61,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .context("building reflection service")?;
 
     // Bind both listeners before anything else, so a port conflict fails the start.
-    let grpc = tokio::net::TcpListener::bind(args.listen)
+    let grpc = tokio::net::TcpListener::bind(config.listen)
         .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    let metrics = tokio::net::TcpListener::bind(args.metrics_bind_address)
+        .with_context(|| format!("binding {}", config.listen))?;
+    let metrics = tokio::net::TcpListener::bind(config.metrics_bind_address)
         .await
-        .with_context(|| format!("binding {}", args.metrics_bind_address))?;
+        .with_context(|| format!("binding {}", config.metrics_bind_address))?;
     let (grpc_addr, metrics_addr) = (grpc.local_addr()?, metrics.local_addr()?);
     tracing::info!(grpc = %grpc_addr, metrics = %metrics_addr, "listening");
-    if let Some(path) = &args.bound_address_file {
+    if let Some(path) = &config.bound_address_file {
         std::fs::write(path, format!("grpc={grpc_addr}\nmetrics={metrics_addr}\n"))
             .with_context(|| format!("writing {}", path.display()))?;
     }
@@ -94,7 +77,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // The watches and the index run on a runtime of their own, on their own thread: however
     // busy the fan-out to thousands of streams gets, watch events are taken in as they come.
     {
-        let (fanout, args) = (fanout.clone(), args.clone());
+        let fanout = fanout.clone();
+        let (kubeconfig, rules, tuning) = (
+            config.kubeconfig.clone(),
+            config.rules.clone(),
+            config.tuning.clone(),
+        );
         std::thread::Builder::new()
             .name("brain-watch".into())
             .spawn(move || {
@@ -109,7 +97,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     }
                 };
                 rt.block_on(async move {
-                    let client = match kube_client(&args).await {
+                    let client = match kube_client(kubeconfig.as_deref()).await {
                         Ok(c) => c,
                         Err(e) => {
                             tracing::error!(
@@ -119,8 +107,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                             std::process::exit(1);
                         }
                     };
-                    let interval = std::time::Duration::from_millis(args.min_publish_interval_ms);
-                    watch::run(client, config, fanout, args.streaming_lists, interval).await;
+                    watch::run(
+                        client,
+                        rules,
+                        fanout,
+                        tuning.streaming_lists,
+                        tuning.min_publish_interval,
+                    )
+                    .await;
                 });
             })?;
     }
@@ -134,7 +128,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
     });
 
-    let tls = tls::server_config(&args.tls_cert, &args.tls_key, &args.client_ca)?;
+    let tls = tls::server_config(&config.tls.cert, &config.tls.key, &config.tls.client_ca)?;
     let service = DataplaneService {
         fanout,
         verify_node_identity: true,
@@ -157,8 +151,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn kube_client(args: &Args) -> anyhow::Result<kube::Client> {
-    let config = match &args.kubeconfig {
+async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading {}", path.display()))?;

@@ -35,147 +35,41 @@ pub struct Brain {
     pub grpc: SocketAddr,
     pub metrics: SocketAddr,
     pub tls: TlsFiles,
+    /// What it was started with.
+    pub config: BrainConfig,
 }
 
-/// How a brain is started besides its certificates and API server.
+// The brain's own configuration types: tests build them directly, and the brain renders them to
+// its flags (`BrainConfig::to_args`), so nothing here describes a flag a second time.
+pub use splitproxy_brain::config::{BrainConfig, TlsPaths, Tuning};
+pub use splitproxy_brain::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
+
+/// How a brain is started besides its certificates, addresses and API server, which
+/// [`Brain::start`] fills in.
 #[derive(Debug, Clone, Default)]
 pub struct BrainOptions {
-    /// `--service-cidr` (comma-joined); not passed when empty.
-    pub service_cidrs: Vec<String>,
-    /// Further flags, appended last; see [`ProxyFlags::args`] for the kube-proxy-like ones.
+    /// What the rulesets say: service CIDRs, the kube-proxy-like settings, the table.
+    pub rules: RulesConfig,
+    /// How the brain paces and sizes its work.
+    pub tuning: Tuning,
+    /// Flags a person wrote (lab.yaml's `brainArgs`), passed verbatim after the typed ones.
     pub extra_args: Vec<String>,
 }
 
 impl BrainOptions {
-    /// Options with `--service-cidr` and the kube-proxy-like flags of `proxy`.
-    pub fn new(service_cidrs: &[String], proxy: &ProxyFlags) -> BrainOptions {
-        BrainOptions {
-            service_cidrs: service_cidrs.to_vec(),
-            extra_args: proxy.args(),
-        }
+    /// Default options with these service CIDRs.
+    pub fn with_service_cidrs(service_cidrs: &[ipnet::IpNet]) -> BrainOptions {
+        let mut opts = BrainOptions::default();
+        opts.rules.service_cidrs = service_cidrs.to_vec();
+        opts
     }
-}
 
-/// kube-proxy's `--detect-local-mode`: how the brain tells that a packet comes from a local pod.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-pub enum DetectLocalMode {
-    /// Source inside `--cluster-cidr`.
-    #[default]
-    #[serde(rename = "ClusterCIDR")]
-    ClusterCidr,
-    /// Source inside the node's `spec.podCIDRs`.
-    #[serde(rename = "NodeCIDR")]
-    NodeCidr,
-    /// Arrives on an interface named `--pod-interface-name-prefix*` (the lab's pod veths are
-    /// named [`crate::topology::POD_INTERFACE_PREFIX`]`<n>`).
-    InterfaceNamePrefix,
-    /// Arrives on bridge `--pod-bridge-interface` (the lab's is
-    /// [`crate::topology::POD_BRIDGE`] when pods are bridged).
-    BridgeInterface,
-    /// Nothing is local: all traffic to Services from outside is treated alike.
-    None,
-}
-
-impl DetectLocalMode {
-    /// The flag value, e.g. `ClusterCIDR`.
-    pub fn as_flag(&self) -> &'static str {
-        match self {
-            DetectLocalMode::ClusterCidr => "ClusterCIDR",
-            DetectLocalMode::NodeCidr => "NodeCIDR",
-            DetectLocalMode::InterfaceNamePrefix => "InterfaceNamePrefix",
-            DetectLocalMode::BridgeInterface => "BridgeInterface",
-            DetectLocalMode::None => "None",
-        }
-    }
-}
-
-impl std::fmt::Display for DetectLocalMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_flag())
-    }
-}
-
-impl std::str::FromStr for DetectLocalMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        [
-            DetectLocalMode::ClusterCidr,
-            DetectLocalMode::NodeCidr,
-            DetectLocalMode::InterfaceNamePrefix,
-            DetectLocalMode::BridgeInterface,
-            DetectLocalMode::None,
-        ]
-        .into_iter()
-        .find(|m| m.as_flag().eq_ignore_ascii_case(s))
-        .ok_or_else(|| {
-            format!(
-                "unknown detect-local mode {s:?} (ClusterCIDR, NodeCIDR, InterfaceNamePrefix, BridgeInterface, None)"
-            )
-        })
-    }
-}
-
-/// The brain flags that mean what kube-proxy's flags of the same name mean. Empty values are not
-/// passed, so the brain's defaults apply.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ProxyFlags {
-    /// `--cluster-cidr` (one per family).
-    pub cluster_cidrs: Vec<ipnet::IpNet>,
-    /// `--detect-local-mode`; `None` leaves the brain's default.
-    pub detect_local_mode: Option<DetectLocalMode>,
-    /// `--pod-interface-name-prefix`.
-    pub pod_interface_name_prefix: String,
-    /// `--pod-bridge-interface`.
-    pub pod_bridge_interface: String,
-    /// `--nodeport-addresses`: `primary` or CIDRs.
-    pub nodeport_addresses: Vec<String>,
-    /// `--masquerade-all`.
-    pub masquerade_all: bool,
-    /// `--service-proxy-name`.
-    pub service_proxy_name: String,
-}
-
-impl ProxyFlags {
-    /// The command-line flags.
+    /// The flags these options give the brain (for reports; [`Brain::start`] renders the whole
+    /// configuration).
     pub fn args(&self) -> Vec<String> {
-        let mut args = Vec::new();
-        let join = |v: &[String]| v.join(",");
-        if !self.cluster_cidrs.is_empty() {
-            let cidrs: Vec<String> = self.cluster_cidrs.iter().map(ToString::to_string).collect();
-            args.extend(["--cluster-cidr".to_string(), join(&cidrs)]);
-        }
-        if let Some(mode) = self.detect_local_mode {
-            args.extend(["--detect-local-mode".to_string(), mode.to_string()]);
-        }
-        if !self.pod_interface_name_prefix.is_empty() {
-            args.extend([
-                "--pod-interface-name-prefix".to_string(),
-                self.pod_interface_name_prefix.clone(),
-            ]);
-        }
-        if !self.pod_bridge_interface.is_empty() {
-            args.extend([
-                "--pod-bridge-interface".to_string(),
-                self.pod_bridge_interface.clone(),
-            ]);
-        }
-        if !self.nodeport_addresses.is_empty() {
-            args.extend([
-                "--nodeport-addresses".to_string(),
-                join(&self.nodeport_addresses),
-            ]);
-        }
-        if self.masquerade_all {
-            args.push("--masquerade-all".to_string());
-        }
-        if !self.service_proxy_name.is_empty() {
-            args.extend([
-                "--service-proxy-name".to_string(),
-                self.service_proxy_name.clone(),
-            ]);
-        }
+        let mut args = self.rules.to_args();
+        args.extend(self.tuning.to_args());
+        args.extend(self.extra_args.iter().cloned());
         args
     }
 }
@@ -201,30 +95,28 @@ impl Brain {
         let bound = dir.join(format!("{name}.addresses"));
         let _ = std::fs::remove_file(&bound);
         let listen = grpc.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+        let config = BrainConfig {
+            kubeconfig: Some(kubeconfig.to_path_buf()),
+            listen,
+            tls: TlsPaths {
+                cert: tls.cert.clone(),
+                key: tls.key.clone(),
+                client_ca: tls.ca.clone(),
+            },
+            metrics_bind_address: SocketAddr::from(([127, 0, 0, 1], 0)),
+            bound_address_file: Some(bound.clone()),
+            log_format: "text".into(),
+            rules: opts.rules.clone(),
+            tuning: opts.tuning.clone(),
+        };
         let mut cmd = Command::new(exe);
         cmd.arg("brain")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .arg("--listen")
-            .arg(listen.to_string())
-            .arg("--metrics-bind-address")
-            .arg("127.0.0.1:0")
-            .arg("--bound-address-file")
-            .arg(&bound)
-            .arg("--tls-cert")
-            .arg(&tls.cert)
-            .arg("--tls-key")
-            .arg(&tls.key)
-            .arg("--client-ca")
-            .arg(&tls.ca)
+            .args(config.to_args())
             .args(&opts.extra_args)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
             );
-        if !opts.service_cidrs.is_empty() {
-            cmd.arg("--service-cidr").arg(opts.service_cidrs.join(","));
-        }
         let child = Child::spawn(name, cmd, &dir.join(format!("{name}.log")))?;
         // The brain writes the addresses it bound, so no other process's port can be mistaken
         // for it.
@@ -249,6 +141,7 @@ impl Brain {
             grpc,
             metrics,
             tls,
+            config,
         })
     }
 
@@ -428,28 +321,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn proxy_flags_render_as_brain_arguments() {
-        assert!(ProxyFlags::default().args().is_empty());
-        let flags = ProxyFlags {
-            cluster_cidrs: vec![
-                "10.244.0.0/16".parse().unwrap(),
-                "fd00:244::/48".parse().unwrap(),
-            ],
-            detect_local_mode: Some(DetectLocalMode::InterfaceNamePrefix),
-            pod_interface_name_prefix: "pod".into(),
-            pod_bridge_interface: String::new(),
-            nodeport_addresses: vec!["192.168.77.0/24".into(), "fd00:77::/64".into()],
-            masquerade_all: true,
-            service_proxy_name: "splitproxy".into(),
-        };
-        assert_eq!(
-            flags.args().join(" "),
-            "--cluster-cidr 10.244.0.0/16,fd00:244::/48 --detect-local-mode InterfaceNamePrefix \
-             --pod-interface-name-prefix pod --nodeport-addresses 192.168.77.0/24,fd00:77::/64 \
-             --masquerade-all --service-proxy-name splitproxy"
+    fn brain_options_render_flags_the_brain_reads_back() {
+        use clap::Parser;
+        let mut opts = BrainOptions::with_service_cidrs(&["10.96.0.0/16".parse().unwrap()]);
+        opts.rules.cluster_cidrs = vec![
+            "10.244.0.0/16".parse().unwrap(),
+            "fd00:244::/48".parse().unwrap(),
+        ];
+        opts.rules.detect_local = DetectLocalMode::InterfaceNamePrefix;
+        opts.rules.pod_interface_name_prefix = "pod".into();
+        opts.rules.nodeport_addresses =
+            NodePortAddresses::Cidrs(vec!["192.168.77.0/24".parse().unwrap()]);
+        opts.rules.masquerade_all = true;
+        opts.tuning.min_publish_interval = Duration::from_millis(50);
+        let args = opts.args().join(" ");
+        assert!(
+            args.contains("--cluster-cidr 10.244.0.0/16,fd00:244::/48")
+                && args.contains("--detect-local-mode InterfaceNamePrefix")
+                && args.contains("--nodeport-addresses 192.168.77.0/24")
+                && args.contains("--masquerade-all"),
+            "{args}"
         );
-        assert_eq!("clustercidr".parse(), Ok(DetectLocalMode::ClusterCidr));
-        assert!("Foo".parse::<DetectLocalMode>().is_err());
+        let argv = ["brain", "--tls-cert=c", "--tls-key=k", "--client-ca=a"]
+            .into_iter()
+            .map(String::from)
+            .chain(opts.args());
+        let config =
+            BrainConfig::try_from(splitproxy_brain::config::Args::try_parse_from(argv).unwrap())
+                .unwrap();
+        assert_eq!(format!("{:?}", config.rules), format!("{:?}", opts.rules));
+        assert_eq!(config.tuning, opts.tuning);
     }
 
     #[test]

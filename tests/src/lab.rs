@@ -18,7 +18,7 @@
 //! // In an integration test: LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab")).
 //! let mut opts = LabOptions::new("target/debug/splitproxy-lab");
 //! opts.nodes = 2;
-//! opts.proxy.detect_local_mode = Some(DetectLocalMode::InterfaceNamePrefix);
+//! opts.brain.rules.detect_local = DetectLocalMode::InterfaceNamePrefix;
 //! let lab = Lab::start(opts).await?;
 //! lab.apply_path(std::path::Path::new("tests/lab/scenarios/nodeport-local")).await?;
 //! let client = lab.add_pod("node-1", "client", &[])?; // dual stack, addresses picked for it
@@ -43,7 +43,7 @@ use crate::Result;
 use crate::certs::Pki;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
 use crate::deploy::{
-    ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, DetectLocalMode, ProxyFlags, http_get_in,
+    ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, DetectLocalMode, RulesConfig, http_get_in,
 };
 use crate::netns::Netns;
 use crate::podserver::PodServer;
@@ -151,15 +151,10 @@ pub struct LabOptions {
     /// Brain replicas.
     pub brains: usize,
     /// Service CIDRs: kube-apiserver's `--service-cluster-ip-range` (dual stack by default:
-    /// 10.96.0.0/16 and fd00:96::/112) and, unless `brain.service_cidrs` is set, the brain's
-    /// `--service-cidr`.
-    pub service_cidrs: Vec<String>,
-    /// The brain's kube-proxy-like flags. Default: `--cluster-cidr 10.244.0.0/16,fd00:244::/48
-    /// --detect-local-mode ClusterCIDR`. With `InterfaceNamePrefix` and no prefix, the lab's
-    /// `pod` prefix is passed; with `BridgeInterface` and no bridge, `cbr0` (and pods are
-    /// bridged).
-    pub proxy: ProxyFlags,
-    /// How pods are attached; `None`: bridged when `proxy.detect_local_mode` is
+    /// 10.96.0.0/16 and fd00:96::/112) and, unless `brain.rules.service_cidrs` is set, the
+    /// brain's.
+    pub service_cidrs: Vec<IpNet>,
+    /// How pods are attached; `None`: bridged when `brain.rules.detect_local` is
     /// `BridgeInterface`, routed otherwise.
     pub pod_network: Option<PodNetwork>,
     /// External clients. Default: one named `external` (192.168.77.200, fd00:77::200) routed
@@ -167,8 +162,10 @@ pub struct LabOptions {
     pub external_clients: Vec<ExternalSpec>,
     /// Pods created at start (before any object is applied).
     pub pods: Vec<PodSpec>,
-    /// Brain overrides: `service_cidrs` (when not empty, instead of `service_cidrs` above) and
-    /// extra flags.
+    /// The brain's configuration. Default: cluster CIDRs 10.244.0.0/16 and fd00:244::/48,
+    /// detect-local mode ClusterCIDR, the service CIDRs above. With `InterfaceNamePrefix` and no
+    /// prefix, the lab's `pod` prefix is used; with `BridgeInterface` and no bridge, `cbr0` (and
+    /// pods are bridged). See [`LabOptions::effective_brain_options`].
     pub brain: BrainOptions,
     /// Where logs and certificates go; a temporary directory when `None`.
     pub dir: Option<PathBuf>,
@@ -181,19 +178,24 @@ impl LabOptions {
             nodes: 2,
             node_specs: Vec::new(),
             brains: 1,
-            service_cidrs: vec![DEFAULT_SERVICE_CIDR.into(), DEFAULT_SERVICE_CIDR6.into()],
-            proxy: ProxyFlags {
-                cluster_cidrs: vec![
-                    CLUSTER_CIDR.parse().expect("constant CIDR"),
-                    CLUSTER_CIDR6.parse().expect("constant CIDR"),
-                ],
-                detect_local_mode: Some(DetectLocalMode::ClusterCidr),
-                ..Default::default()
-            },
+            service_cidrs: vec![
+                DEFAULT_SERVICE_CIDR.parse().expect("constant CIDR"),
+                DEFAULT_SERVICE_CIDR6.parse().expect("constant CIDR"),
+            ],
             pod_network: None,
             external_clients: vec![ExternalSpec::new("external")],
             pods: Vec::new(),
-            brain: BrainOptions::default(),
+            brain: BrainOptions {
+                rules: RulesConfig {
+                    cluster_cidrs: vec![
+                        CLUSTER_CIDR.parse().expect("constant CIDR"),
+                        CLUSTER_CIDR6.parse().expect("constant CIDR"),
+                    ],
+                    detect_local: DetectLocalMode::ClusterCidr,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
             dir: None,
         }
     }
@@ -212,7 +214,7 @@ impl LabOptions {
     /// The pod attachment in effect.
     pub fn effective_pod_network(&self) -> PodNetwork {
         self.pod_network.unwrap_or(
-            if self.proxy.detect_local_mode == Some(DetectLocalMode::BridgeInterface) {
+            if self.brain.rules.detect_local == DetectLocalMode::BridgeInterface {
                 PodNetwork::Bridge
             } else {
                 PodNetwork::Routed
@@ -220,28 +222,23 @@ impl LabOptions {
         )
     }
 
-    /// The brain's options in effect: service CIDRs and every flag.
+    /// The brain's options in effect: the lab's service CIDRs unless the brain has its own, and
+    /// the lab's pod interface prefix or bridge when the detect-local mode needs one.
     pub fn effective_brain_options(&self) -> BrainOptions {
-        let mut proxy = self.proxy.clone();
-        match proxy.detect_local_mode {
-            Some(DetectLocalMode::InterfaceNamePrefix)
-                if proxy.pod_interface_name_prefix.is_empty() =>
-            {
-                proxy.pod_interface_name_prefix = POD_INTERFACE_PREFIX.into();
+        let mut opts = self.brain.clone();
+        let rules = &mut opts.rules;
+        match rules.detect_local {
+            DetectLocalMode::InterfaceNamePrefix if rules.pod_interface_name_prefix.is_empty() => {
+                rules.pod_interface_name_prefix = POD_INTERFACE_PREFIX.into();
             }
-            Some(DetectLocalMode::BridgeInterface) if proxy.pod_bridge_interface.is_empty() => {
-                proxy.pod_bridge_interface = POD_BRIDGE.into();
+            DetectLocalMode::BridgeInterface if rules.pod_bridge_interface.is_empty() => {
+                rules.pod_bridge_interface = POD_BRIDGE.into();
             }
             _ => {}
         }
-        let service_cidrs = if self.brain.service_cidrs.is_empty() {
-            &self.service_cidrs
-        } else {
-            &self.brain.service_cidrs
-        };
-        let mut opts = BrainOptions::new(service_cidrs, &proxy);
-        opts.extra_args
-            .extend(self.brain.extra_args.iter().cloned());
+        if rules.service_cidrs.is_empty() {
+            rules.service_cidrs = self.service_cidrs.clone();
+        }
         opts
     }
 }
@@ -334,13 +331,8 @@ impl Lab {
             }
         };
         let node_specs = opts.effective_nodes();
-        let service_cidrs: Vec<IpNet> = opts
-            .service_cidrs
-            .iter()
-            .map(|c| c.parse().with_context(|| format!("service CIDR {c:?}")))
-            .collect::<Result<_>>()?;
         let spec = ClusterSpec::with_node_names(node_specs.iter().map(|n| n.name.clone()))
-            .service_cidrs(&service_cidrs)
+            .service_cidrs(&opts.service_cidrs)
             .pod_network(opts.effective_pod_network());
         // The network first: it fails fast (names, addresses) and needs no API server.
         let cluster = Cluster::new(spec)?;
@@ -352,7 +344,12 @@ impl Lab {
             }
         }
         let cp = ControlPlane::start(ControlPlaneOptions {
-            service_cluster_ip_range: opts.service_cidrs.join(","),
+            service_cluster_ip_range: opts
+                .service_cidrs
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
             ..Default::default()
         })
         .await?;
@@ -1093,8 +1090,8 @@ impl Lab {
         serde_json::json!({
             "kubeconfig": self.cp.kubeconfig_path(),
             "apiserver": self.cp.url(),
-            "service_cidrs": self.opts.service_cidrs,
-            "brain_flags": brain_opts.extra_args,
+            "service_cidrs": self.opts.service_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "brain_flags": brain_opts.args(),
             "pod_network": self.opts.effective_pod_network(),
             "pod_interface_prefix": POD_INTERFACE_PREFIX,
             "brains": self.brains.iter().flatten().map(|b| serde_json::json!({
@@ -1207,32 +1204,52 @@ mod tests {
     #[test]
     fn options_render_brain_flags() {
         let mut opts = LabOptions::new("/bin/true");
-        let args = opts.effective_brain_options();
-        assert_eq!(args.service_cidrs, ["10.96.0.0/16", "fd00:96::/112"]);
+        let brain = opts.effective_brain_options();
         assert_eq!(
-            args.extra_args.join(" "),
-            "--cluster-cidr 10.244.0.0/16,fd00:244::/48 --detect-local-mode ClusterCIDR"
+            brain.rules.service_cidrs,
+            [
+                "10.96.0.0/16".parse::<IpNet>().unwrap(),
+                "fd00:96::/112".parse().unwrap()
+            ]
         );
-        opts.proxy.detect_local_mode = Some(DetectLocalMode::InterfaceNamePrefix);
+        let args = brain.args().join(" ");
+        assert!(
+            args.contains("--service-cidr 10.96.0.0/16,fd00:96::/112")
+                && args.contains("--cluster-cidr 10.244.0.0/16,fd00:244::/48")
+                && args.contains("--detect-local-mode ClusterCIDR")
+                && !args.contains("--pod-"),
+            "{args}"
+        );
+        opts.brain.rules.detect_local = DetectLocalMode::InterfaceNamePrefix;
+        assert_eq!(
+            opts.effective_brain_options()
+                .rules
+                .pod_interface_name_prefix,
+            POD_INTERFACE_PREFIX
+        );
         assert!(
             opts.effective_brain_options()
-                .extra_args
+                .args()
                 .join(" ")
                 .contains("--pod-interface-name-prefix pod")
         );
         assert_eq!(opts.effective_pod_network(), PodNetwork::Routed);
-        opts.proxy.detect_local_mode = Some(DetectLocalMode::BridgeInterface);
+        opts.brain.rules.detect_local = DetectLocalMode::BridgeInterface;
+        assert_eq!(
+            opts.effective_brain_options().rules.pod_bridge_interface,
+            POD_BRIDGE
+        );
         assert!(
             opts.effective_brain_options()
-                .extra_args
+                .args()
                 .join(" ")
                 .contains("--pod-bridge-interface cbr0")
         );
         assert_eq!(opts.effective_pod_network(), PodNetwork::Bridge);
-        opts.brain.service_cidrs = vec!["10.96.0.0/20".into()];
+        opts.brain.rules.service_cidrs = vec!["10.96.0.0/20".parse().unwrap()];
         assert_eq!(
-            opts.effective_brain_options().service_cidrs,
-            ["10.96.0.0/20"]
+            opts.effective_brain_options().rules.service_cidrs,
+            ["10.96.0.0/20".parse::<IpNet>().unwrap()]
         );
         assert_eq!(opts.effective_nodes().len(), 2);
     }

@@ -22,7 +22,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::Result;
-use crate::deploy::DetectLocalMode;
+use crate::deploy::{DetectLocalMode, NodePortAddresses};
 use crate::lab::{ExternalSpec, Lab, LabOptions, NodeSpec, PodSpec};
 use crate::probe::{ProbeResult, Proto};
 use crate::topology::PodNetwork;
@@ -244,41 +244,42 @@ impl LabConfig {
         if let Some(b) = self.brains {
             opts.brains = b;
         }
+        let rules = &mut opts.brain.rules;
         if let Some(c) = &self.cluster_cidrs {
-            opts.proxy.cluster_cidrs = c
+            rules.cluster_cidrs = c
                 .items()
                 .iter()
                 .map(|c| c.parse().with_context(|| format!("cluster CIDR {c:?}")))
                 .collect::<Result<_>>()?;
         }
-        if let Some(c) = &self.service_cidrs {
-            let items = c.items();
-            for c in &items {
-                c.parse::<IpNet>()
-                    .with_context(|| format!("service CIDR {c:?}"))?;
-            }
-            opts.service_cidrs = items;
-        }
         if let Some(mode) = &self.detect_local_mode {
-            opts.proxy.detect_local_mode = Some(
-                mode.parse::<DetectLocalMode>()
-                    .map_err(anyhow::Error::msg)?,
-            );
+            rules.detect_local = detect_local_mode(mode)?;
         }
         if let Some(p) = &self.pod_interface_name_prefix {
-            opts.proxy.pod_interface_name_prefix = p.clone();
+            rules.pod_interface_name_prefix = p.clone();
         }
         if let Some(b) = &self.pod_bridge_interface {
-            opts.proxy.pod_bridge_interface = b.clone();
+            rules.pod_bridge_interface = b.clone();
         }
         if let Some(a) = &self.node_port_addresses {
-            opts.proxy.nodeport_addresses = a.items();
+            rules.nodeport_addresses =
+                NodePortAddresses::parse(&a.items()).map_err(anyhow::Error::msg)?;
         }
         if let Some(m) = self.masquerade_all {
-            opts.proxy.masquerade_all = m;
+            rules.masquerade_all = m;
         }
         if let Some(n) = &self.service_proxy_name {
-            opts.proxy.service_proxy_name = n.clone();
+            rules.service_proxy_name = n.clone();
+        }
+        opts.brain
+            .extra_args
+            .extend(self.brain_args.iter().cloned());
+        if let Some(c) = &self.service_cidrs {
+            opts.service_cidrs = c
+                .items()
+                .iter()
+                .map(|c| c.parse().with_context(|| format!("service CIDR {c:?}")))
+                .collect::<Result<_>>()?;
         }
         if let Some(p) = self.pod_network {
             opts.pod_network = Some(p);
@@ -314,11 +315,21 @@ impl LabConfig {
                 udp: p.udp.clone(),
             });
         }
-        opts.brain
-            .extra_args
-            .extend(self.brain_args.iter().cloned());
         Ok(())
     }
+}
+
+/// `detectLocalMode`, as the brain's flag takes it but in any case (`clusterCIDR`).
+fn detect_local_mode(text: &str) -> Result<DetectLocalMode> {
+    use clap::ValueEnum;
+    DetectLocalMode::from_str(text, true).map_err(|_| {
+        let names: Vec<String> = DetectLocalMode::value_variants()
+            .iter()
+            .filter_map(|m| m.to_possible_value())
+            .map(|v| v.get_name().to_string())
+            .collect();
+        anyhow::anyhow!("unknown detect-local mode {text:?} ({})", names.join(", "))
+    })
 }
 
 /// What a probe's answers must look like.
@@ -767,20 +778,30 @@ pods:
                 "10.0.5.1/32".parse().unwrap()
             ]
         );
-        assert_eq!(opts.proxy.cluster_cidrs.len(), 2);
-        assert_eq!(opts.service_cidrs, ["10.96.0.0/16", "fd00:96::/112"]);
+        assert_eq!(opts.brain.rules.cluster_cidrs.len(), 2);
         assert_eq!(
-            opts.proxy.detect_local_mode,
-            Some(DetectLocalMode::InterfaceNamePrefix)
+            opts.service_cidrs,
+            [
+                "10.96.0.0/16".parse::<IpNet>().unwrap(),
+                "fd00:96::/112".parse().unwrap()
+            ]
         );
-        assert!(opts.proxy.masquerade_all);
+        assert_eq!(
+            opts.brain.rules.detect_local,
+            DetectLocalMode::InterfaceNamePrefix
+        );
+        assert_eq!(
+            opts.brain.rules.nodeport_addresses,
+            NodePortAddresses::Cidrs(vec!["192.168.77.0/24".parse().unwrap()])
+        );
+        assert!(opts.brain.rules.masquerade_all);
         assert_eq!(opts.external_clients[0].via.as_deref(), Some("node-1"));
         assert_eq!(opts.pods.len(), 2);
         assert_eq!(
             opts.pods[1].addresses,
             vec!["fd00:244::50".parse::<IpAddr>().unwrap()]
         );
-        let args = opts.effective_brain_options().extra_args.join(" ");
+        let args = opts.effective_brain_options().args().join(" ");
         assert!(
             args.contains("--pod-interface-name-prefix pod")
                 && args.contains("--nodeport-addresses 192.168.77.0/24")
@@ -795,6 +816,18 @@ pods:
         assert!(serde_yaml::from_str::<LabConfig>("nodez: 4\n").is_err());
         let bad: LabConfig = serde_yaml::from_str("detectLocalMode: Nope\n").unwrap();
         assert!(bad.apply_to(&mut LabOptions::new("/bin/true")).is_err());
+        let bad: LabConfig = serde_yaml::from_str("nodePortAddresses: [nowhere]\n").unwrap();
+        assert!(bad.apply_to(&mut LabOptions::new("/bin/true")).is_err());
+        let mode: LabConfig = serde_yaml::from_str("detectLocalMode: nodecidr\n").unwrap();
+        let mut opts = LabOptions::new("/bin/true");
+        mode.apply_to(&mut opts).unwrap();
+        assert_eq!(opts.brain.rules.detect_local, DetectLocalMode::NodeCidr);
+        let primary: LabConfig = serde_yaml::from_str("nodePortAddresses: primary\n").unwrap();
+        primary.apply_to(&mut opts).unwrap();
+        assert_eq!(
+            opts.brain.rules.nodeport_addresses,
+            NodePortAddresses::Primary
+        );
     }
 
     #[test]

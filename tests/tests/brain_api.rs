@@ -16,10 +16,7 @@ fn exe() -> PathBuf {
 }
 
 fn opts() -> BrainOptions {
-    BrainOptions {
-        service_cidrs: vec!["10.96.0.0/16".into()],
-        extra_args: Vec::new(),
-    }
+    BrainOptions::with_service_cidrs(&["10.96.0.0/16".parse().unwrap()])
 }
 
 async fn apply(cp: &ControlPlane, yaml: &str) {

@@ -12,8 +12,8 @@ async fn unusable_objects_are_skipped_and_the_rest_keeps_forwarding() {
     let mut opts = LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab"));
     // The API server allocates from a /16; the brain is told the Service range is a /20, so a
     // Service with a ClusterIP in the upper part is outside the configured service CIDR.
-    opts.service_cidrs = vec!["10.96.0.0/16".into()];
-    opts.brain.service_cidrs = vec!["10.96.0.0/20".into()];
+    opts.service_cidrs = vec!["10.96.0.0/16".parse().unwrap()];
+    opts.brain.rules.service_cidrs = vec!["10.96.0.0/20".parse().unwrap()];
     let lab = Lab::start(opts).await.expect("lab starts");
     let ns = "bad";
     let good_ep = Ep::new("10.244.1.30", "node-1", "good-a");

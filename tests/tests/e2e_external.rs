@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use serde_json::{Value, json};
-use splitproxy_tests::deploy::DetectLocalMode;
+use splitproxy_tests::deploy::{DetectLocalMode, NodePortAddresses};
 use splitproxy_tests::lab::{ExternalSpec, Lab, LabOptions, NodeSpec, PodSpec};
 use splitproxy_tests::{HttpResult, ProbeResult, Proto};
 
@@ -855,10 +855,7 @@ async fn external_traffic_with_cluster_cidr_detection() {
         pod("client-1", "node-1", "10.244.1.100"),
         pod("stray", "node-0", STRAY),
     ];
-    assert_eq!(
-        opts.proxy.detect_local_mode,
-        Some(DetectLocalMode::ClusterCidr)
-    );
+    assert_eq!(opts.brain.rules.detect_local, DetectLocalMode::ClusterCidr);
     let lab = Lab::start(opts).await.expect("lab starts");
     lab.apply_yaml(&yaml(&lab1_objects()))
         .await
@@ -1262,8 +1259,9 @@ async fn external_traffic_with_interface_prefix_and_nodeport_cidrs() {
         pod("stray", "node-0", STRAY),
     ];
     // The lab passes its pod interface prefix, `pod`.
-    opts.proxy.detect_local_mode = Some(DetectLocalMode::InterfaceNamePrefix);
-    opts.proxy.nodeport_addresses = vec!["10.0.5.0/24".into()];
+    opts.brain.rules.detect_local = DetectLocalMode::InterfaceNamePrefix;
+    opts.brain.rules.nodeport_addresses =
+        NodePortAddresses::Cidrs(vec!["10.0.5.0/24".parse().unwrap()]);
     let lab = Lab::start(opts).await.expect("lab starts");
     let mut docs = vec![
         namespace(),

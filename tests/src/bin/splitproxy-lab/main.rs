@@ -20,8 +20,9 @@ fn main() -> anyhow::Result<()> {
     let cli = cli::Cli::parse();
     match cli.command {
         cli::Command::Brain(args) => {
-            splitproxy_brain::init_logging(&args.log_format);
-            runtime()?.block_on(splitproxy_brain::run::run(args))
+            let config = splitproxy_brain::config::BrainConfig::try_from(args)?;
+            splitproxy_brain::init_logging(&config.log_format);
+            runtime()?.block_on(splitproxy_brain::run::run(config))
         }
         cli::Command::Actuator(args) => {
             splitproxy_actuator::init_logging(&args.log_format);

@@ -121,7 +121,14 @@ fn options(state_dir: &Path, args: &UpArgs) -> anyhow::Result<(LabOptions, Optio
         opts.brains = b;
     }
     if let Some(s) = &args.service_cidr {
-        opts.service_cidrs = s.split(',').map(|c| c.trim().to_string()).collect();
+        opts.service_cidrs = s
+            .split(',')
+            .map(|c| {
+                c.trim()
+                    .parse()
+                    .with_context(|| format!("service CIDR {c:?}"))
+            })
+            .collect::<anyhow::Result<_>>()?;
     }
     Ok((opts, scenario))
 }
