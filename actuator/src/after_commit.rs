@@ -3,6 +3,7 @@
 //! healthCheckNodePort servers follow the model, ports and addresses (healthcheck.rs). They run after the update is
 //! acknowledged, so none delays the ack, and before the next update is applied, so they always
 //! see the model they follow. None can fail the update: the kernel has the new rules already.
+//! Each run takes what the applier returned for its commit ([`Outcome`]) as is.
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 

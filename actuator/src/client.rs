@@ -40,17 +40,14 @@ pub struct ClientConfig {
 
 /// Runs forever: one stream at a time, reconnecting with exponential backoff and jitter.
 /// `after` runs after every committed update (guarded map entries and conntrack
-/// cleanup, health check servers).
+/// cleanup, health check servers). Returns only when there is no brain to connect to.
 pub async fn run<K: Kernel + Send + 'static>(
     config: ClientConfig,
     applier: Arc<Mutex<Applier<K>>>,
     health: Arc<Health>,
     after: Arc<AfterCommit>,
-) {
-    if config.brains.is_empty() {
-        tracing::error!("no brain to connect to");
-        return;
-    }
+) -> anyhow::Result<()> {
+    anyhow::ensure!(!config.brains.is_empty(), "no brain address to connect to");
     let mut backoff = BACKOFF_MIN;
     let mut attempt = 0usize;
     loop {
@@ -354,6 +351,59 @@ mod tests {
             (0, "", "")
         );
         assert!(!ack.error.is_empty());
+    }
+
+    /// The whole path from a refusing kernel to the answer the brain gets, and the answer to
+    /// the update that follows.
+    #[tokio::test]
+    async fn a_refused_commit_is_answered_with_the_kernels_errno() {
+        use crate::apply::kernel::Recording;
+        use splitproxy_proto::v1::{Ruleset, Table};
+
+        let applier = Arc::new(Mutex::new(Applier::new(
+            Recording::new(),
+            "splitproxy".to_owned(),
+        )));
+        let health = Arc::new(Health::default());
+        let rs = Ruleset {
+            tables: vec![Table {
+                family: v1::Family::Ip as i32,
+                name: "splitproxy".to_owned(),
+                ..Table::default()
+            }],
+        };
+        let update = |generation| Update {
+            brain_epoch: 1,
+            generation,
+            body: Some(Body::Snapshot(rs.clone())),
+            ..Update::default()
+        };
+        applier
+            .lock()
+            .unwrap()
+            .kernel_mut()
+            .refuse_next_at(2, 17, "File exists");
+        let (ack, outcome) = apply(Work::Update(update(1)), &applier, &health).await;
+        assert!(outcome.is_none());
+        assert_eq!((ack.generation, ack.ok, ack.errno), (1, false, 17));
+        assert_eq!(ack.refused_message, "add table ip splitproxy");
+        assert_eq!(ack.kernel_message, "File exists");
+        assert!(
+            health
+                .apply_failing
+                .load(std::sync::atomic::Ordering::Relaxed)
+        );
+
+        let (ack, outcome) = apply(Work::Update(update(2)), &applier, &health).await;
+        assert!(ack.ok, "{}", ack.error);
+        assert_eq!((ack.generation, ack.errno), (2, 0));
+        assert!(ack.refused_message.is_empty() && ack.kernel_message.is_empty());
+        assert_eq!(outcome.unwrap().model, Model::from_ruleset(&rs));
+        assert!(
+            !health
+                .apply_failing
+                .load(std::sync::atomic::Ordering::Relaxed)
+        );
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     ));
     tracing::info!(node = %config.node, brains = ?config.brains, table = %config.table, "starting actuator");
     tokio::select! {
-        _ = client::run(config.client(), applier, health, after) => {}
+        r = client::run(config.client(), applier, health, after) => r?,
         _ = shutdown() => {}
     }
     Ok(())
