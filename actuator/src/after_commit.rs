@@ -3,11 +3,11 @@
 //! healthCheckNodePort servers follow the model, ports and addresses (healthcheck.rs). They run after the update is
 //! acknowledged, so none delays the ack, and before the next update is applied, so they always
 //! see the model they follow. None can fail the update: the kernel has the new rules already.
+//! Each run takes what the applier returned for its commit ([`Outcome`]) as is.
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
-use splitproxy_proto::model::Model;
-
+use crate::apply::Outcome;
 use crate::health::Health;
 use crate::healthcheck::HealthCheckServers;
 use crate::{conntrack, guards};
@@ -39,13 +39,19 @@ impl AfterCommit {
         }
     }
 
-    /// Runs after a commit whose result is `model`, leaving `stale` conntrack entries and
-    /// `guarded` map entries behind.
-    pub async fn run(&self, stale: conntrack::Plan, guarded: guards::Plan, model: &Model) {
+    /// Runs after the commit that had `outcome`: its model, the conntrack entries and the
+    /// guarded map entries it left behind.
+    pub async fn run(&self, outcome: Outcome) {
+        let Outcome {
+            conntrack: stale,
+            guards: guarded,
+            model,
+            ..
+        } = outcome;
         self.health_checks
             .lock()
             .await
-            .reconcile_model(model, &self.table)
+            .reconcile_model(&model, &self.table)
             .await;
         if stale.is_empty() && guarded.is_empty() {
             return;

@@ -2,6 +2,13 @@
 //! so a delta becomes exactly the netlink messages for what changed (no table dumps), and a
 //! snapshot is diffed against the model first. Every update is ONE transaction: if the kernel
 //! rejects it, nothing changed and the model stays as it was (the "atomic" invariant, docs/invariants.md).
+//!
+//! The applier talks to the kernel through [`kernel::Kernel`], so that its decisions (what to
+//! send, what to keep when the kernel refuses) are tested without one (apply/tests.rs).
+pub mod kernel;
+#[cfg(test)]
+mod tests;
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -10,8 +17,9 @@ use splitproxy_proto::model::element_key_bytes;
 use splitproxy_proto::model::{Model, TableKey};
 use splitproxy_proto::v1::{Family, Table, TableRemoval, Update, update::Body};
 
-use crate::nft::{Batch, NftSocket};
+use crate::nft::{Batch, CommitError, EncodeError, MessageFailure, NftSocket};
 use crate::{conntrack, guards};
+use kernel::Kernel;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
@@ -19,14 +27,45 @@ pub enum ApplyError {
     Empty,
     #[error("refusing to touch table {0} {1}: this actuator owns only tables named {2:?}")]
     ForeignTable(&'static str, String, String),
-    #[error("delta on generation {base} but generation {applied} is applied")]
-    WrongBase { base: u64, applied: u64 },
+    #[error(
+        "delta on epoch {base_epoch} generation {base} but epoch {applied_epoch} generation {applied} is applied"
+    )]
+    WrongBase {
+        base_epoch: u64,
+        base: u64,
+        applied_epoch: u64,
+        applied: u64,
+    },
+    /// An IR object the kernel could not be told about; nothing was sent.
     #[error("encoding: {0}")]
-    Encode(String),
+    Encode(#[from] EncodeError),
+    /// The kernel did not take the transaction (see [`CommitError`]).
     #[error("kernel: {0}")]
-    Kernel(String),
+    Kernel(#[from] CommitError),
     #[error("digest after applying differs from the brain's")]
     Digest,
+    /// An earlier apply panicked: what the applier holds is not known to match the kernel.
+    #[error("the applier panicked; restart the actuator")]
+    Panicked,
+}
+
+impl ApplyError {
+    /// The errno the kernel answered with, if it was asked and refused.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            ApplyError::Kernel(e) => e.errno(),
+            _ => None,
+        }
+    }
+
+    /// The first message the kernel refused (what it did, and the kernel's own words), if the
+    /// kernel refused the transaction.
+    pub fn refused(&self) -> Option<&MessageFailure> {
+        match self {
+            ApplyError::Kernel(CommitError::Rejected { failures }) => failures.first(),
+            _ => None,
+        }
+    }
 }
 
 /// What the actuator has applied, as it reports it in `Hello`.
@@ -37,32 +76,40 @@ pub struct Applied {
     pub digest: Vec<u8>,
 }
 
-pub struct Applier {
-    socket: NftSocket,
+/// What one committed update leaves for the steps that follow it (after_commit.rs), which
+/// take it as is.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Time the kernel took to commit.
+    pub took: Duration,
+    /// UDP conntrack entries the commit left stale (see conntrack.rs).
+    pub conntrack: conntrack::Plan,
+    /// Guarded map entries the commit left to delete (see guards.rs).
+    pub guards: guards::Plan,
+    /// The applied model (a cheap clone: versions share structure).
+    pub model: Model,
+}
+
+/// Applies updates through a [`Kernel`]: the netlink socket in production, a
+/// [`kernel::Recording`] in tests and benchmarks.
+pub struct Applier<K = NftSocket> {
+    kernel: K,
     table: String,
     model: Model,
     applied: Applied,
-    /// Conntrack entries the commits since the last [`Applier::take_stale_conntrack`] left
-    /// stale (see conntrack.rs).
-    stale: conntrack::Plan,
-    /// Guarded map entries the commits since the last [`Applier::take_stale_guarded`] left to
-    /// delete (see guards.rs).
-    guarded: guards::Plan,
     /// False until the first commit of this process: the kernel may still hold the table a
     /// previous run left, which the first snapshot replaces atomically (restart without
     /// disruption, docs/invariants.md).
     adopted: bool,
 }
 
-impl Applier {
-    pub fn new(socket: NftSocket, table: String) -> Self {
+impl<K: Kernel> Applier<K> {
+    pub fn new(kernel: K, table: String) -> Self {
         Applier {
-            socket,
+            kernel,
             table,
             model: Model::default(),
             applied: Applied::default(),
-            stale: conntrack::Plan::default(),
-            guarded: guards::Plan::default(),
             adopted: false,
         }
     }
@@ -75,20 +122,16 @@ impl Applier {
         &self.model
     }
 
-    /// The UDP conntrack entries the commits since the last call left stale, to delete now
-    /// that the kernel forwards by the new rules.
-    pub fn take_stale_conntrack(&mut self) -> conntrack::Plan {
-        std::mem::take(&mut self.stale)
+    pub fn kernel(&self) -> &K {
+        &self.kernel
     }
 
-    /// The guarded map entries the commits since the last call left to delete, to delete now
-    /// that the kernel holds the new guard sets.
-    pub fn take_stale_guarded(&mut self) -> guards::Plan {
-        std::mem::take(&mut self.guarded)
+    pub fn kernel_mut(&mut self) -> &mut K {
+        &mut self.kernel
     }
 
-    /// Applies one update in one transaction and returns the time the kernel work took.
-    pub fn apply(&mut self, update: &Update) -> Result<Duration, ApplyError> {
+    /// Applies one update in one transaction.
+    pub fn apply(&mut self, update: &Update) -> Result<Outcome, ApplyError> {
         match update.body.as_ref().ok_or(ApplyError::Empty)? {
             Body::Snapshot(r) => self.apply_snapshot(update, Model::from_ruleset(r)),
             Body::Delta(d) => {
@@ -96,7 +139,9 @@ impl Applier {
                     || update.base_generation != self.applied.generation
                 {
                     return Err(ApplyError::WrongBase {
+                        base_epoch: update.brain_epoch,
                         base: update.base_generation,
+                        applied_epoch: self.applied.brain_epoch,
                         applied: self.applied.generation,
                     });
                 }
@@ -110,30 +155,30 @@ impl Applier {
         }
     }
 
-    /// Commits `batch` and, once the kernel took it, makes `next` the applied model.
+    /// Commits `batch` and, once the kernel took it, makes `next` the applied model. Until
+    /// then nothing of the applier changes, so a refused update leaves it as it was.
     fn commit(
         &mut self,
         update: &Update,
         next: Model,
         batch: Batch,
-    ) -> Result<Duration, ApplyError> {
+    ) -> Result<Outcome, ApplyError> {
+        if let Some(e) = batch.error() {
+            return Err(ApplyError::Encode(e.clone()));
+        }
         let start = Instant::now();
-        if !batch.is_empty() || batch.error().is_some() {
-            self.socket
-                .commit(&batch)
-                .map_err(|e| ApplyError::Kernel(e.to_string()))?;
+        if !batch.is_empty() {
+            self.kernel.commit(&batch)?;
         }
         let took = start.elapsed();
         // Costs what changed in the role-marked and guard sets (the models share structure).
         // The first commit of a process has no previous model: it resyncs from `next` alone.
-        let stale = if self.adopted {
+        let conntrack = if self.adopted {
             conntrack::Plan::between(&self.model, &next)
         } else {
             conntrack::Plan::resync(&next)
         };
-        self.stale.extend(stale, &next);
-        self.guarded
-            .extend(guards::Plan::between(&self.model, &next));
+        let guards = guards::Plan::between(&self.model, &next);
         self.model = next;
         self.adopted = true;
         self.applied = Applied {
@@ -141,7 +186,12 @@ impl Applier {
             generation: update.generation,
             digest: update.digest.clone(),
         };
-        Ok(took)
+        Ok(Outcome {
+            took,
+            conntrack,
+            guards,
+            model: self.model.clone(),
+        })
     }
 
     /// Applies a snapshot already folded into a model (snapshot parts go straight into a
@@ -151,7 +201,7 @@ impl Applier {
         &mut self,
         update: &Update,
         target: Model,
-    ) -> Result<Duration, ApplyError> {
+    ) -> Result<Outcome, ApplyError> {
         self.check_digest(update, &target)?;
         let batch = if self.adopted {
             let delta = self.model.diff(&target);
@@ -162,14 +212,7 @@ impl Applier {
             // Replace it whole, in one transaction, so packets see either the old table or the
             // new one (restart without disruption).
             for (family, name) in target.tables.keys() {
-                let family_ok = matches!(family, Family::Ip | Family::Ip6);
-                if !family_ok || *name != self.table {
-                    return Err(ApplyError::ForeignTable(
-                        family.nft_name(),
-                        name.clone(),
-                        self.table.clone(),
-                    ));
-                }
+                self.check_owned(*family, name)?;
             }
             let mut b = Batch::new();
             for family in [Family::Ip, Family::Ip6] {
@@ -184,7 +227,6 @@ impl Applier {
     /// Every object of `model` as additions, elements decoded a chunk at a time.
     fn encode_model(&self, b: &mut Batch, model: &Model) -> Result<(), ApplyError> {
         const CHUNK: usize = 2048;
-        let enc = |e: crate::nft::EncodeError| ApplyError::Encode(e.to_string());
         for ((family, name), tm) in model.tables.iter() {
             let fam = *family;
             b.add_table(fam, name, &tm.comment);
@@ -192,22 +234,22 @@ impl Applier {
                 b.add_chain(fam, name, c);
             }
             for sm in tm.sets.values() {
-                b.add_set(fam, name, &sm.def).map_err(enc)?;
+                b.add_set(fam, name, &sm.def)?;
                 let mut chunk = Vec::with_capacity(CHUNK);
                 for e in sm.decoded() {
                     chunk.push(e);
                     if chunk.len() == CHUNK {
-                        b.add_elements(fam, name, &sm.def, &chunk).map_err(enc)?;
+                        b.add_elements(fam, name, &sm.def, &chunk)?;
                         chunk.clear();
                     }
                 }
                 if !chunk.is_empty() {
-                    b.add_elements(fam, name, &sm.def, &chunk).map_err(enc)?;
+                    b.add_elements(fam, name, &sm.def, &chunk)?;
                 }
             }
             for c in tm.chains.values() {
                 for r in &c.rules {
-                    b.add_rule(fam, name, &c.name, r).map_err(enc)?;
+                    b.add_rule(fam, name, &c.name, r)?;
                 }
             }
         }
@@ -227,14 +269,20 @@ impl Applier {
             .map(|t| (t.family, &t.name))
             .chain(remove.iter().map(|t| (t.family, &t.name)));
         for (family, name) in names {
-            let family_ok = matches!(Family::try_from(family), Ok(Family::Ip | Family::Ip6));
-            if !family_ok || *name != self.table {
-                return Err(ApplyError::ForeignTable(
-                    Family::try_from(family).unwrap_or_default().nft_name(),
-                    name.clone(),
-                    self.table.clone(),
-                ));
-            }
+            self.check_owned(Family::try_from(family).unwrap_or_default(), name)?;
+        }
+        Ok(())
+    }
+
+    /// Own table only (docs/invariants.md): `ip` or `ip6`, named as configured.
+    fn check_owned(&self, family: Family, name: &str) -> Result<(), ApplyError> {
+        let family_ok = matches!(family, Family::Ip | Family::Ip6);
+        if !family_ok || name != self.table {
+            return Err(ApplyError::ForeignTable(
+                family.nft_name(),
+                name.to_owned(),
+                self.table.clone(),
+            ));
         }
         Ok(())
     }
@@ -259,7 +307,6 @@ impl Applier {
         upsert: &[Table],
         remove: &[TableRemoval],
     ) -> Result<(), ApplyError> {
-        let enc = |e: crate::nft::EncodeError| ApplyError::Encode(e.to_string());
         let fam = |f: i32| Family::try_from(f).unwrap_or(Family::Unspecified);
         let empty = Default::default();
         let whole_removed: BTreeSet<TableKey> = remove
@@ -292,7 +339,7 @@ impl Applier {
                 .iter()
                 .filter(|s| !old.sets.contains_key(&s.name) && !removed_sets.contains(&s.name))
             {
-                b.add_set(fam(up.family), &up.name, s).map_err(enc)?;
+                b.add_set(fam(up.family), &up.name, s)?;
             }
         }
         // 2. Elements that go away, and elements whose value changes (the kernel refuses to
@@ -303,8 +350,7 @@ impl Applier {
             };
             for se in &rm.elements {
                 if let Some(sm) = old.sets.get(&se.set) {
-                    b.del_elements(fam(rm.family), &rm.name, &sm.def, &se.elements)
-                        .map_err(enc)?;
+                    b.del_elements(fam(rm.family), &rm.name, &sm.def, &se.elements)?;
                 }
             }
         }
@@ -352,8 +398,7 @@ impl Applier {
                     .cloned()
                     .collect();
                 if !changed.is_empty() {
-                    b.del_elements(fam(up.family), &up.name, &sm.def, &changed)
-                        .map_err(enc)?;
+                    b.del_elements(fam(up.family), &up.name, &sm.def, &changed)?;
                 }
             }
         }
@@ -384,22 +429,20 @@ impl Applier {
                 .filter(|u| (u.family, &u.name) == (rm.family, &rm.name))
             {
                 for s in up.sets.iter().filter(|s| rm.sets.contains(&s.name)) {
-                    b.add_set(fam(up.family), &up.name, s).map_err(enc)?;
+                    b.add_set(fam(up.family), &up.name, s)?;
                 }
             }
         }
         // 5. New elements, then rules (which may refer to sets and chains).
         for up in upsert {
             for s in up.sets.iter().filter(|s| !s.elements.is_empty()) {
-                b.add_elements(fam(up.family), &up.name, s, &s.elements)
-                    .map_err(enc)?;
+                b.add_elements(fam(up.family), &up.name, s, &s.elements)?;
             }
         }
         for up in upsert {
             for c in &up.chains {
                 for r in &c.rules {
-                    b.add_rule(fam(up.family), &up.name, &c.name, r)
-                        .map_err(enc)?;
+                    b.add_rule(fam(up.family), &up.name, &c.name, r)?;
                 }
             }
         }

@@ -12,36 +12,42 @@ use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, Update, sync_request, 
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity, Uri};
 
 use crate::after_commit::AfterCommit;
-use crate::apply::Applier;
+use crate::apply::kernel::Kernel;
+use crate::apply::{Applier, ApplyError, Outcome};
+use crate::config::TlsFiles;
 use crate::health::Health;
-use crate::{conntrack, guards};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// Longest error text a NACK carries (each of its strings): a refused 60 KiB element message
+/// or a long chain of causes must not make the ack itself a burden (bounded under slow nodes,
+/// docs/invariants.md).
+pub const MAX_ERROR_BYTES: usize = 4096;
 
+/// What the stream to the brains needs; built from the actuator's
+/// [`Config`](crate::config::Config).
+#[derive(Debug, Clone)]
 pub struct ClientConfig {
-    pub brains: Vec<String>,
+    /// Tried in turn; never empty.
+    pub brains: Vec<Uri>,
     pub server_name: Option<String>,
     pub node: String,
-    /// Read again at every connection, so rotated certificates are picked up without a
-    /// restart (and a file caught mid-rewrite heals on the next attempt).
-    pub ca: std::path::PathBuf,
-    pub cert: std::path::PathBuf,
-    pub key: std::path::PathBuf,
+    pub tls: TlsFiles,
 }
 
 /// Runs forever: one stream at a time, reconnecting with exponential backoff and jitter.
 /// `after` runs after every committed update (guarded map entries and conntrack
-/// cleanup, health check servers).
-pub async fn run(
+/// cleanup, health check servers). Returns only when there is no brain to connect to.
+pub async fn run<K: Kernel + Send + 'static>(
     config: ClientConfig,
-    applier: Arc<Mutex<Applier>>,
+    applier: Arc<Mutex<Applier<K>>>,
     health: Arc<Health>,
     after: Arc<AfterCommit>,
-) {
+) -> anyhow::Result<()> {
+    anyhow::ensure!(!config.brains.is_empty(), "no brain address to connect to");
     let mut backoff = BACKOFF_MIN;
     let mut attempt = 0usize;
     loop {
@@ -68,20 +74,20 @@ fn read(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
     Ok(pem)
 }
 
-async fn connect(config: &ClientConfig, brain: &str) -> anyhow::Result<Channel> {
-    let uri: tonic::transport::Uri = brain
-        .parse()
-        .with_context(|| format!("brain address {brain:?}"))?;
+async fn connect(config: &ClientConfig, brain: &Uri) -> anyhow::Result<Channel> {
     let domain = config
         .server_name
         .clone()
-        .or_else(|| uri.host().map(|h| h.trim_matches(['[', ']']).to_string()))
+        .or_else(|| brain.host().map(|h| h.trim_matches(['[', ']']).to_string()))
         .unwrap_or_default();
     let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(read(&config.ca)?))
-        .identity(Identity::from_pem(read(&config.cert)?, read(&config.key)?))
+        .ca_certificate(Certificate::from_pem(read(&config.tls.ca)?))
+        .identity(Identity::from_pem(
+            read(&config.tls.cert)?,
+            read(&config.tls.key)?,
+        ))
         .domain_name(domain);
-    Ok(Channel::builder(uri)
+    Ok(Channel::builder(brain.clone())
         .tls_config(tls)?
         .connect_timeout(transport::CONNECT_TIMEOUT)
         .http2_keep_alive_interval(transport::KEEPALIVE_INTERVAL)
@@ -90,10 +96,10 @@ async fn connect(config: &ClientConfig, brain: &str) -> anyhow::Result<Channel> 
         .await?)
 }
 
-async fn stream_once(
+async fn stream_once<K: Kernel + Send + 'static>(
     config: &ClientConfig,
-    brain: &str,
-    applier: &Arc<Mutex<Applier>>,
+    brain: &Uri,
+    applier: &Arc<Mutex<Applier<K>>>,
     health: &Arc<Health>,
     after: &AfterCommit,
 ) -> anyhow::Result<()> {
@@ -171,15 +177,15 @@ async fn stream_once(
             }),
             _ => anyhow::bail!("update mixes snapshot and delta parts"),
         };
-        let (ack, committed) = apply(work, applier, health).await;
+        let (ack, outcome) = apply(work, applier, health).await;
         let sent = tx
             .send(SyncRequest {
                 msg: Some(sync_request::Msg::Ack(ack)),
             })
             .await;
         // The kernel has the new rules whether or not the brain hears of it.
-        if let Some(c) = committed {
-            after.run(c.stale, c.guarded, &c.model).await;
+        if let Some(outcome) = outcome {
+            after.run(outcome).await;
         }
         sent?;
     }
@@ -200,21 +206,13 @@ enum Work {
     Snapshot(Update, Model),
 }
 
-/// What a committed update leaves for [`AfterCommit`].
-struct Committed {
-    stale: conntrack::Plan,
-    guarded: guards::Plan,
-    /// The applied model (a cheap clone: versions share structure).
-    model: Model,
-}
-
 /// Applies one update off the async runtime (netlink is blocking) and builds its answer, and,
 /// when it committed, what follows.
-async fn apply(
+async fn apply<K: Kernel + Send + 'static>(
     work: Work,
-    applier: &Arc<Mutex<Applier>>,
+    applier: &Arc<Mutex<Applier<K>>>,
     health: &Arc<Health>,
-) -> (Ack, Option<Committed>) {
+) -> (Ack, Option<Outcome>) {
     let (generation, snapshot) = match &work {
         Work::Update(u) => (u.generation, u.base_generation == 0),
         Work::Snapshot(u, _) => (u.generation, true),
@@ -222,8 +220,7 @@ async fn apply(
     let applier = applier.clone();
     let (update, result) = tokio::task::spawn_blocking(move || {
         let Ok(mut a) = applier.lock() else {
-            let e = crate::apply::ApplyError::Kernel("applier poisoned".into());
-            return (Update::default(), Err(e));
+            return (Update::default(), Err(ApplyError::Panicked));
         };
         let (update, result) = match work {
             Work::Update(u) => {
@@ -235,25 +232,17 @@ async fn apply(
                 (u, r)
             }
         };
-        let result = result.map(|took| {
-            let committed = Committed {
-                stale: a.take_stale_conntrack(),
-                guarded: a.take_stale_guarded(),
-                model: a.model().clone(),
-            };
-            (took, a.model().element_count(), committed)
-        });
         (update, result)
     })
     .await
     .unwrap_or_else(|e| {
-        (
-            Update::default(),
-            Err(crate::apply::ApplyError::Kernel(e.to_string())),
-        )
+        tracing::error!(error = %e, "applying an update panicked");
+        (Update::default(), Err(ApplyError::Panicked))
     });
     match result {
-        Ok((took, elements, committed)) => {
+        Ok(outcome) => {
+            let took = outcome.took;
+            let elements = outcome.model.element_count();
             health.metrics.applied(generation, took, snapshot, elements);
             health
                 .ready
@@ -273,10 +262,10 @@ async fn apply(
             let ack = Ack {
                 generation,
                 ok: true,
-                error: String::new(),
                 apply_duration: took.try_into().ok(),
+                ..Ack::default()
             };
-            (ack, Some(committed))
+            (ack, Some(outcome))
         }
         Err(e) => {
             health.metrics.apply_failed();
@@ -284,13 +273,155 @@ async fn apply(
                 .apply_failing
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             tracing::error!(generation, snapshot, error = %e, "update failed; previous rules stay in place");
-            let ack = Ack {
-                generation,
-                ok: false,
-                error: e.to_string(),
-                apply_duration: None,
-            };
-            (ack, None)
+            (nack(generation, &e), None)
         }
+    }
+}
+
+/// The answer to an update that failed: the error, and when the kernel refused it, its errno,
+/// the message it refused and what it said, so that the brain shows why without a node's logs.
+/// Every string is at most [`MAX_ERROR_BYTES`].
+pub fn nack(generation: u64, e: &ApplyError) -> Ack {
+    let refused = e.refused();
+    Ack {
+        generation,
+        ok: false,
+        error: bounded(e.to_string()),
+        apply_duration: None,
+        errno: e.errno().unwrap_or(0),
+        refused_message: refused
+            .map(|f| bounded(f.description.clone()))
+            .unwrap_or_default(),
+        kernel_message: refused
+            .and_then(|f| f.kernel_message.clone())
+            .map(bounded)
+            .unwrap_or_default(),
+    }
+}
+
+/// `s` cut to at most [`MAX_ERROR_BYTES`] on a character boundary, marked when cut.
+fn bounded(mut s: String) -> String {
+    const MARK: &str = " [...]";
+    if s.len() <= MAX_ERROR_BYTES {
+        return s;
+    }
+    let mut end = MAX_ERROR_BYTES - MARK.len();
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s.truncate(end);
+    s.push_str(MARK);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft::{CommitError, MessageFailure};
+
+    #[test]
+    fn a_nack_carries_the_kernels_errno_and_the_refused_message() {
+        let e = ApplyError::Kernel(CommitError::Rejected {
+            failures: vec![MessageFailure {
+                errno: 2,
+                message: Some(3),
+                description: "delete set service-ips".to_owned(),
+                kernel_message: Some("no such set".to_owned()),
+            }],
+        });
+        let ack = nack(7, &e);
+        assert_eq!(ack.generation, 7);
+        assert!(!ack.ok);
+        assert_eq!(ack.errno, 2);
+        assert_eq!(ack.refused_message, "delete set service-ips");
+        assert_eq!(ack.kernel_message, "no such set");
+        assert!(
+            ack.error.contains("delete set service-ips"),
+            "{}",
+            ack.error
+        );
+
+        let ack = nack(8, &ApplyError::Digest);
+        assert_eq!(
+            (
+                ack.errno,
+                ack.refused_message.as_str(),
+                ack.kernel_message.as_str()
+            ),
+            (0, "", "")
+        );
+        assert!(!ack.error.is_empty());
+    }
+
+    /// The whole path from a refusing kernel to the answer the brain gets, and the answer to
+    /// the update that follows.
+    #[tokio::test]
+    async fn a_refused_commit_is_answered_with_the_kernels_errno() {
+        use crate::apply::kernel::Recording;
+        use splitproxy_proto::v1::{Ruleset, Table};
+
+        let applier = Arc::new(Mutex::new(Applier::new(
+            Recording::new(),
+            "splitproxy".to_owned(),
+        )));
+        let health = Arc::new(Health::default());
+        let rs = Ruleset {
+            tables: vec![Table {
+                family: v1::Family::Ip as i32,
+                name: "splitproxy".to_owned(),
+                ..Table::default()
+            }],
+        };
+        let update = |generation| Update {
+            brain_epoch: 1,
+            generation,
+            body: Some(Body::Snapshot(rs.clone())),
+            ..Update::default()
+        };
+        applier
+            .lock()
+            .unwrap()
+            .kernel_mut()
+            .refuse_next_at(2, 17, "File exists");
+        let (ack, outcome) = apply(Work::Update(update(1)), &applier, &health).await;
+        assert!(outcome.is_none());
+        assert_eq!((ack.generation, ack.ok, ack.errno), (1, false, 17));
+        assert_eq!(ack.refused_message, "add table ip splitproxy");
+        assert_eq!(ack.kernel_message, "File exists");
+        assert!(
+            health
+                .apply_failing
+                .load(std::sync::atomic::Ordering::Relaxed)
+        );
+
+        let (ack, outcome) = apply(Work::Update(update(2)), &applier, &health).await;
+        assert!(ack.ok, "{}", ack.error);
+        assert_eq!((ack.generation, ack.errno), (2, 0));
+        assert!(ack.refused_message.is_empty() && ack.kernel_message.is_empty());
+        assert_eq!(outcome.unwrap().model, Model::from_ruleset(&rs));
+        assert!(
+            !health
+                .apply_failing
+                .load(std::sync::atomic::Ordering::Relaxed)
+        );
+    }
+
+    #[test]
+    fn nack_strings_are_bounded() {
+        let long = "é".repeat(10_000);
+        let e = ApplyError::Kernel(CommitError::Rejected {
+            failures: vec![MessageFailure {
+                errno: 22,
+                message: Some(0),
+                description: long.clone(),
+                kernel_message: Some(long),
+            }],
+        });
+        let ack = nack(1, &e);
+        for s in [&ack.error, &ack.refused_message, &ack.kernel_message] {
+            assert!(s.len() <= MAX_ERROR_BYTES, "{}", s.len());
+            assert!(s.ends_with(" [...]"));
+        }
+        assert_eq!(bounded("short".to_owned()), "short");
     }
 }

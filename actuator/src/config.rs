@@ -1,6 +1,14 @@
-//! Command-line flags. Where a flag means what a kube-proxy flag means, it has its name.
-use std::net::SocketAddr;
+//! Command-line flags, and the typed [`Config`] they become once, at start. Where a flag means
+//! what a kube-proxy flag means, it has its name; the test harness and the lab spawn the
+//! binary with these flags, so their names and meanings do not change.
+use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+
+use http::Uri;
+
+use crate::client::ClientConfig;
+use crate::healthcheck;
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -40,4 +48,214 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     pub log_format: String,
+}
+
+/// Where the client's TLS material is. Read again at every connection, so rotated
+/// certificates are picked up without a restart (and a file caught mid-rewrite heals on the
+/// next attempt).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// CA that signed the brain's certificate (PEM).
+    pub ca: PathBuf,
+    /// Client certificate naming this node (PEM).
+    pub cert: PathBuf,
+    /// Client private key (PEM).
+    pub key: PathBuf,
+}
+
+/// What [`crate::run::run`] takes: the flags resolved and checked once, so that tests and the
+/// lab can build it directly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// This node's name (--hostname-override, NODE_NAME, or the hostname).
+    pub node: String,
+    /// Brain addresses, tried in turn; never empty.
+    pub brains: Vec<Uri>,
+    /// Name the brain's certificate must carry (defaults to each address's host).
+    pub brain_server_name: Option<String>,
+    pub tls: TlsFiles,
+    /// Name of the tables this actuator owns (own table only, docs/invariants.md).
+    pub table: String,
+    pub healthz_bind_address: SocketAddr,
+    /// May equal `healthz_bind_address`, which then serves both.
+    pub metrics_bind_address: SocketAddr,
+    /// Where the health check servers listen while the model names no NodePort address
+    /// (not a flag: [`healthcheck::DEFAULT_ADDRESSES`]).
+    pub health_check_addresses: Vec<IpAddr>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("no brain address (--brain)")]
+    NoBrain,
+    #[error("brain address {address:?}: {source}")]
+    Brain {
+        address: String,
+        source: http::uri::InvalidUri,
+    },
+    #[error("reading the hostname (or pass --hostname-override): {0}")]
+    Hostname(io::Error),
+    #[error("the hostname is empty; pass --hostname-override")]
+    EmptyHostname,
+}
+
+impl TryFrom<Args> for Config {
+    type Error = ConfigError;
+
+    fn try_from(args: Args) -> Result<Self, ConfigError> {
+        Config::resolve(args, || {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+        })
+    }
+}
+
+impl Config {
+    /// `args` made typed; `hostname` is asked only when no node name was given.
+    fn resolve(
+        args: Args,
+        hostname: impl FnOnce() -> io::Result<String>,
+    ) -> Result<Self, ConfigError> {
+        let node = match args.node_name.filter(|n| !n.is_empty()) {
+            Some(n) => n,
+            None => {
+                let h = hostname().map_err(ConfigError::Hostname)?;
+                let h = h.trim();
+                if h.is_empty() {
+                    return Err(ConfigError::EmptyHostname);
+                }
+                h.to_owned()
+            }
+        };
+        let brains = args
+            .brains
+            .iter()
+            .map(|address| {
+                address.parse::<Uri>().map_err(|source| ConfigError::Brain {
+                    address: address.clone(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if brains.is_empty() {
+            return Err(ConfigError::NoBrain);
+        }
+        Ok(Config {
+            node,
+            brains,
+            brain_server_name: args.brain_server_name,
+            tls: TlsFiles {
+                ca: args.ca,
+                cert: args.tls_cert,
+                key: args.tls_key,
+            },
+            table: args.table,
+            healthz_bind_address: args.healthz_bind_address,
+            metrics_bind_address: args.metrics_bind_address,
+            health_check_addresses: healthcheck::DEFAULT_ADDRESSES.to_vec(),
+        })
+    }
+
+    /// What the brain stream needs of it.
+    pub fn client(&self) -> ClientConfig {
+        ClientConfig {
+            brains: self.brains.clone(),
+            server_name: self.brain_server_name.clone(),
+            node: self.node.clone(),
+            tls: self.tls.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> Args {
+        let base = [
+            "splitproxy-actuator",
+            "--brain",
+            "https://10.0.0.1:9443,https://[fd00::1]:9443",
+            "--ca",
+            "/etc/sp/ca.pem",
+            "--tls-cert",
+            "/etc/sp/node.pem",
+            "--tls-key",
+            "/etc/sp/node.key",
+        ];
+        Args::try_parse_from(base.iter().chain(extra)).unwrap()
+    }
+
+    fn no_hostname() -> io::Result<String> {
+        panic!("the hostname is read only when no node name is given")
+    }
+
+    #[test]
+    fn flags_become_a_typed_config() {
+        let c = Config::resolve(
+            args(&[
+                "--hostname-override",
+                "node-1",
+                "--brain",
+                "https://b:1",
+                "--table",
+                "t",
+                "--metrics-bind-address",
+                "0.0.0.0:10256",
+            ]),
+            no_hostname,
+        )
+        .unwrap();
+        assert_eq!(c.node, "node-1");
+        let brains: Vec<String> = c.brains.iter().map(Uri::to_string).collect();
+        assert_eq!(
+            brains,
+            vec![
+                "https://10.0.0.1:9443/",
+                "https://[fd00::1]:9443/",
+                "https://b:1/"
+            ]
+        );
+        assert_eq!(c.tls.cert, PathBuf::from("/etc/sp/node.pem"));
+        assert_eq!(c.table, "t");
+        assert_eq!(c.healthz_bind_address, c.metrics_bind_address);
+        assert_eq!(c.health_check_addresses, healthcheck::DEFAULT_ADDRESSES);
+        let client = c.client();
+        assert_eq!((client.node.as_str(), client.brains.len()), ("node-1", 3));
+        assert_eq!(client.tls, c.tls);
+    }
+
+    #[test]
+    fn the_node_name_falls_back_to_the_hostname() {
+        // NODE_NAME may be set where the tests run: the flag's value is set here instead.
+        let unnamed = |name: Option<&str>| Args {
+            node_name: name.map(str::to_owned),
+            ..args(&[])
+        };
+        let c = Config::resolve(unnamed(None), || Ok("worker-7\n".to_owned())).unwrap();
+        assert_eq!(c.node, "worker-7");
+        let c = Config::resolve(unnamed(Some("")), || Ok("w".to_owned()));
+        assert_eq!(c.unwrap().node, "w");
+        assert!(matches!(
+            Config::resolve(unnamed(None), || Ok(" \n".to_owned())),
+            Err(ConfigError::EmptyHostname)
+        ));
+        assert!(matches!(
+            Config::resolve(unnamed(None), || Err(io::ErrorKind::NotFound.into())),
+            Err(ConfigError::Hostname(_))
+        ));
+    }
+
+    #[test]
+    fn a_malformed_brain_address_is_refused_at_start() {
+        let e = Config::resolve(
+            args(&["--hostname-override", "n", "--brain", "https://a b"]),
+            no_hostname,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Brain { address, .. } if address == "https://a b"),
+            "{e}"
+        );
+    }
 }

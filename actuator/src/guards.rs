@@ -23,7 +23,7 @@
 #[cfg(test)]
 mod kernel_tests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::{BTreeMap, HashSet};
 

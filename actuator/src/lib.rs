@@ -10,6 +10,7 @@ pub mod guards;
 pub mod health;
 pub mod healthcheck;
 pub mod metrics;
+pub(crate) mod netlink;
 pub mod nft;
 pub mod run;
 pub mod virtual_fleet;

@@ -4,5 +4,5 @@ use clap::Parser;
 async fn main() -> anyhow::Result<()> {
     let args = splitproxy_actuator::config::Args::parse();
     splitproxy_actuator::init_logging(&args.log_format);
-    splitproxy_actuator::run::run(args).await
+    splitproxy_actuator::run::run(args.try_into()?).await
 }

@@ -8,45 +8,29 @@ use anyhow::Context;
 
 use crate::after_commit::AfterCommit;
 use crate::apply::Applier;
-use crate::client::{self, ClientConfig};
-use crate::config::Args;
+use crate::client;
+use crate::config::Config;
 use crate::health::{self, Health};
-use crate::healthcheck;
 use crate::nft::NftSocket;
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
-    let node = match args.node_name.clone().filter(|n| !n.is_empty()) {
-        Some(n) => n,
-        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .context("reading hostname (or pass --hostname-override)")?
-            .trim()
-            .to_string(),
-    };
+pub async fn run(config: Config) -> anyhow::Result<()> {
     // Fail fast on a misconfiguration; the client reads the files again at every connection.
-    for p in [&args.ca, &args.tls_cert, &args.tls_key] {
+    for p in [&config.tls.ca, &config.tls.cert, &config.tls.key] {
         std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
     }
-    let config = ClientConfig {
-        brains: args.brains.clone(),
-        server_name: args.brain_server_name.clone(),
-        node: node.clone(),
-        ca: args.ca.clone(),
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-    };
     let socket = NftSocket::open().context("opening the nf_tables netlink socket")?;
-    let applier = Arc::new(Mutex::new(Applier::new(socket, args.table.clone())));
+    let applier = Arc::new(Mutex::new(Applier::new(socket, config.table.clone())));
     let health = Arc::new(Health::default());
 
-    let healthz = health::bind(args.healthz_bind_address)
+    let healthz = health::bind(config.healthz_bind_address)
         .await
         .context("binding healthz address")?;
     tokio::spawn(log_err(
         "healthz server",
         health::serve(healthz, health.clone()),
     ));
-    if args.metrics_bind_address != args.healthz_bind_address {
-        let metrics = health::bind(args.metrics_bind_address)
+    if config.metrics_bind_address != config.healthz_bind_address {
+        let metrics = health::bind(config.metrics_bind_address)
             .await
             .context("binding metrics address")?;
         tokio::spawn(log_err(
@@ -55,13 +39,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ));
     }
     let after = Arc::new(AfterCommit::new(
-        args.table.clone(),
+        config.table.clone(),
         health.clone(),
-        healthcheck::DEFAULT_ADDRESSES.to_vec(),
+        config.health_check_addresses.clone(),
     ));
-    tracing::info!(%node, brains = ?args.brains, table = %args.table, "starting actuator");
+    tracing::info!(node = %config.node, brains = ?config.brains, table = %config.table, "starting actuator");
     tokio::select! {
-        _ = client::run(config, applier, health, after) => {}
+        r = client::run(config.client(), applier, health, after) => r?,
         _ = shutdown() => {}
     }
     Ok(())

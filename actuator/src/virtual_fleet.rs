@@ -264,6 +264,7 @@ impl VirtualFleet {
                     ok: true,
                     error: String::new(),
                     apply_duration: took.try_into().ok(),
+                    ..Ack::default()
                 }
             }
             Err(e) => {
@@ -273,6 +274,7 @@ impl VirtualFleet {
                     ok: false,
                     error: e,
                     apply_duration: None,
+                    ..Ack::default()
                 }
             }
         }

@@ -18,7 +18,7 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Component::Actuator(args)) => {
             splitproxy_actuator::init_logging(&args.log_format);
-            runtime.block_on(splitproxy_actuator::run::run(args))
+            runtime.block_on(splitproxy_actuator::run::run(args.try_into()?))
         }
         None => runtime.block_on(async {
             // On SIGINT or SIGTERM the run is dropped, which stops every component it started

@@ -100,6 +100,10 @@ pub struct NodeState {
     pub acked: Option<Held>,
     pub last_apply: Option<Duration>,
     pub last_error: String,
+    /// From the last NACK: the kernel's errno, the refused message and the kernel's words.
+    pub last_errno: i32,
+    pub last_refused_message: String,
+    pub last_kernel_message: String,
 }
 
 /// Identifies an encoded body: (base version or 0 for a snapshot, target version).
@@ -417,9 +421,15 @@ impl Fanout {
                 st.acked_generation = ack.generation;
                 st.acked = Some(sent);
                 st.last_error.clear();
+                st.last_errno = 0;
+                st.last_refused_message.clear();
+                st.last_kernel_message.clear();
             } else {
                 st.acked = None;
                 st.last_error = ack.error.clone();
+                st.last_errno = ack.errno;
+                st.last_refused_message = ack.refused_message.clone();
+                st.last_kernel_message = ack.kernel_message.clone();
                 self.metrics
                     .nacks
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

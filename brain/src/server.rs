@@ -96,6 +96,9 @@ impl Dataplane for DataplaneService {
                 acked_generation: st.acked_generation,
                 last_apply_duration: st.last_apply.and_then(|d| d.try_into().ok()),
                 last_error: st.last_error.clone(),
+                last_errno: st.last_errno,
+                last_refused_message: st.last_refused_message.clone(),
+                last_kernel_message: st.last_kernel_message.clone(),
                 peer: st.peer.clone(),
                 in_sync: st
                     .acked

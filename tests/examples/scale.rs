@@ -304,7 +304,8 @@ fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let kernel = applier
             .apply(&snapshot)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .took;
         println!(
             "cold start, {s} Services x {e}: kernel {kernel:?}, total {:?}, {}",
             t.elapsed(),
@@ -313,7 +314,7 @@ fn main() -> anyhow::Result<()> {
         drop(snapshot);
         for (name, u) in &steps {
             let t = Instant::now();
-            let kernel = applier.apply(u).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let kernel = applier.apply(u).map_err(|e| anyhow::anyhow!("{e}"))?.took;
             println!("{name}: kernel {kernel:?}, total {:?}", t.elapsed());
         }
         println!("after: {}", rss());

@@ -197,10 +197,10 @@ fn kernel_cleanup_deletes_exactly_the_stale_udp_entries() {
                 generation,
                 ..Update::default()
             };
-            applier
+            let first = applier
                 .apply_snapshot(&update(1), Model::from_ruleset(&before))
-                .unwrap();
-            let first = applier.take_stale_conntrack();
+                .unwrap()
+                .conntrack;
             assert!(
                 first.iter().next().is_none() && first.resyncs(),
                 "the first commit resyncs, nothing else: {first:?}"
@@ -243,10 +243,10 @@ fn kernel_cleanup_deletes_exactly_the_stale_udp_entries() {
                 .unwrap();
             assert_eq!(dumped.len(), 6, "{dumped:?}");
 
-            applier
+            let plan = applier
                 .apply_snapshot(&update(2), Model::from_ruleset(&after))
-                .unwrap();
-            let plan = applier.take_stale_conntrack();
+                .unwrap()
+                .conntrack;
             let sa = |s: &str| s.parse::<SocketAddr>().unwrap();
             assert_eq!(
                 plan.iter().copied().collect::<Vec<_>>(),
@@ -365,10 +365,10 @@ fn kernel_first_commit_resyncs_udp_entries_from_before_a_restart() {
                 ..splitproxy_proto::v1::Set::default()
             });
             let mut second_run = Applier::new(NftSocket::open().unwrap(), TABLE.to_owned());
-            second_run
+            let plan = second_run
                 .apply_snapshot(&update(1), Model::from_ruleset(&restart))
-                .unwrap();
-            let plan = second_run.take_stale_conntrack();
+                .unwrap()
+                .conntrack;
             let metrics = crate::metrics::Metrics::default();
             assert_eq!(Cleaner::new().clean(&plan, &metrics), 4, "{:?}", list(ns));
             let udp = |d: &str, r: &str| listed("udp", d, r);

@@ -16,21 +16,18 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
-use nix::sys::socket::{setsockopt, sockopt};
-use nix::sys::time::TimeVal;
+use netlink_sys::Socket;
 
-use crate::nft::consts::{
-    NFNETLINK_V0, NLM_F_ACK, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDRLEN,
+use crate::netlink;
+use crate::netlink::attr::{Attrs, NlaBuf};
+use crate::netlink::consts::{
+    NFNL_HEADER_LEN as HEADER_LEN, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR,
 };
-use crate::nft::nla::{Attrs, NlaBuf, align4};
+use crate::netlink::message::{Messages, nfnl_header};
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
-const NLM_F_DUMP: u16 = 0x300;
-/// nlmsghdr + nfgenmsg.
-const HEADER_LEN: usize = NLMSG_HDRLEN + 4;
 
 // enum ctattr_type
 const CTA_TUPLE_ORIG: u16 = 1;
@@ -118,12 +115,7 @@ pub struct CtSocket {
 
 impl CtSocket {
     pub fn open() -> io::Result<Self> {
-        let mut sock = Socket::new(NETLINK_NETFILTER)?;
-        sock.bind_auto()?;
-        sock.connect(&SocketAddr::new(0, 0))?;
-        sock.set_cap_ack(true)?;
-        let timeout = TimeVal::new(TIMEOUT.as_secs() as _, 0);
-        setsockopt(&sock, sockopt::ReceiveTimeout, &timeout).map_err(io::Error::from)?;
+        let sock = netlink::open(TIMEOUT, false)?;
         Ok(CtSocket {
             sock,
             seq: 1,
@@ -225,44 +217,33 @@ enum Msg {
     Done(u32),
 }
 
-fn parse_messages(mut buf: &[u8]) -> Vec<Msg> {
-    let mut out = Vec::new();
-    while buf.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        if len < NLMSG_HDRLEN || len > buf.len() {
-            break;
-        }
-        let ty = u16::from_ne_bytes([buf[4], buf[5]]);
-        let seq = u32::from_ne_bytes([buf[8], buf[9], buf[10], buf[11]]);
-        let payload = &buf[NLMSG_HDRLEN..len];
-        match ty {
-            NLMSG_DONE => out.push(Msg::Done(seq)),
-            NLMSG_ERROR => {
-                if let Some(e) = payload.get(0..4) {
-                    let err = i32::from_ne_bytes([e[0], e[1], e[2], e[3]]);
-                    out.push(Msg::Error(seq, err.saturating_neg()));
-                }
+/// The messages of interest in a datagram, up to a malformed one if any.
+fn parse_messages(buf: &[u8]) -> Vec<Msg> {
+    Messages::new(buf)
+        .map_while(Result::ok)
+        .filter_map(|m| match m.ty {
+            NLMSG_DONE => Some(Msg::Done(m.seq)),
+            NLMSG_ERROR => m.ack().map(|a| Msg::Error(a.seq, a.errno)),
+            ty if ty >> 8 == NFNL_SUBSYS_CTNETLINK => {
+                m.nfnl_attrs().map(|a| Msg::Data(m.seq, a.to_vec()))
             }
-            _ if ty >> 8 == NFNL_SUBSYS_CTNETLINK && payload.len() >= 4 => {
-                out.push(Msg::Data(seq, payload[4..].to_vec()))
-            }
-            _ => {}
-        }
-        buf = buf.get(align4(len)..).unwrap_or_default();
-    }
-    out
+            _ => None,
+        })
+        .collect()
 }
 
 /// nlmsghdr + nfgenmsg for a ctnetlink message, then `attrs`.
 fn message(msg: u16, flags: u16, seq: u32, family: u8, attrs: &NlaBuf) -> Vec<u8> {
     let len = HEADER_LEN + attrs.len();
     let mut m = Vec::with_capacity(len);
-    m.extend_from_slice(&(len as u32).to_ne_bytes());
-    m.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | msg).to_ne_bytes());
-    m.extend_from_slice(&flags.to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
-    m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[family, NFNETLINK_V0, 0, 0]);
+    m.extend_from_slice(&nfnl_header(
+        (NFNL_SUBSYS_CTNETLINK << 8) | msg,
+        flags,
+        seq,
+        family,
+        0,
+        len,
+    ));
     m.extend_from_slice(attrs.bytes());
     m
 }
@@ -395,6 +376,7 @@ fn parse_entry(attrs: &[u8]) -> Option<Entry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::message::fixtures;
 
     fn entry(v6: bool) -> Entry {
         let (c, s, e): (IpAddr, IpAddr, IpAddr) = if v6 {
@@ -499,19 +481,10 @@ mod tests {
             a.extend_raw(&dumped(&entry(false)));
             a
         });
-        let mut err = vec![0u8; NLMSG_HDRLEN + 4 + NLMSG_HDRLEN];
-        let len = err.len() as u32;
-        err[0..4].copy_from_slice(&len.to_ne_bytes());
-        err[4..6].copy_from_slice(&NLMSG_ERROR.to_ne_bytes());
-        err[8..12].copy_from_slice(&6u32.to_ne_bytes());
-        err[16..20].copy_from_slice(&(-2i32).to_ne_bytes());
-        dgram.extend_from_slice(&err);
-        let mut done = vec![0u8; NLMSG_HDRLEN + 4];
-        let len = done.len() as u32;
-        done[0..4].copy_from_slice(&len.to_ne_bytes());
-        done[4..6].copy_from_slice(&NLMSG_DONE.to_ne_bytes());
-        done[8..12].copy_from_slice(&5u32.to_ne_bytes());
-        dgram.extend_from_slice(&done);
+        dgram.extend(fixtures::error(6, -2, &[]));
+        dgram.extend(fixtures::done(5, 0));
+        // A reply cut short ends the datagram.
+        dgram.extend_from_slice(&fixtures::error(7, 0, &[])[..12]);
         let msgs = parse_messages(&dgram);
         assert_eq!(msgs.len(), 3);
         assert!(matches!(&msgs[0], Msg::Data(5, a) if parse_entry(a) == Some(entry(false))));

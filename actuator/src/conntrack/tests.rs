@@ -10,10 +10,10 @@ use splitproxy_proto::v1::{
 
 use super::*;
 
-pub(super) const TABLE: &str = "splitproxy";
-pub(super) const TCP: u32 = 6;
+pub(crate) const TABLE: &str = "splitproxy";
+pub(crate) const TCP: u32 = 6;
 
-pub(super) fn addr(a: &str) -> Datum {
+pub(crate) fn addr(a: &str) -> Datum {
     let value = match a.parse::<IpAddr>().unwrap() {
         IpAddr::V4(a) => Value::Ipv4(a.octets().to_vec()),
         IpAddr::V6(a) => Value::Ipv6(a.octets().to_vec()),
@@ -26,7 +26,7 @@ fn num(value: Value) -> Datum {
 }
 
 /// `dst . proto . port . slot : to . to_port`
-pub(super) fn endpoint(
+pub(crate) fn endpoint(
     dst: &str,
     proto: u32,
     port: u32,
@@ -47,14 +47,14 @@ pub(super) fn endpoint(
 }
 
 /// `dst . proto . port`
-pub(super) fn destination(dst: &str, proto: u32, port: u32) -> Element {
+pub(crate) fn destination(dst: &str, proto: u32, port: u32) -> Element {
     Element {
         key: vec![addr(dst), num(Value::Proto(proto)), num(Value::Port(port))],
         ..Element::default()
     }
 }
 
-pub(super) fn endpoints_map(name: &str, v6: bool, elements: Vec<Element>) -> Set {
+pub(crate) fn endpoints_map(name: &str, v6: bool, elements: Vec<Element>) -> Set {
     use DataType::*;
     let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
     Set {
@@ -72,7 +72,7 @@ pub(super) fn endpoints_map(name: &str, v6: bool, elements: Vec<Element>) -> Set
     }
 }
 
-pub(super) fn no_endpoints_set(name: &str, v6: bool, elements: Vec<Element>) -> Set {
+pub(crate) fn no_endpoints_set(name: &str, v6: bool, elements: Vec<Element>) -> Set {
     use DataType::*;
     let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
     Set {

@@ -134,7 +134,7 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
             rules: vec![record_rule()],
         });
         let mut applier = Applier::new(NftSocket::open().unwrap(), TABLE.to_owned());
-        applier
+        let first = applier
             .apply_snapshot(
                 &Update {
                     brain_epoch: 1,
@@ -144,7 +144,7 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
                 Model::from_ruleset(&rs),
             )
             .unwrap();
-        assert!(applier.take_stale_guarded().is_empty(), "first commit");
+        assert!(first.guards.is_empty(), "first commit");
 
         // One entry from the packet path...
         let udp = UdpSocket::bind("10.0.0.1:0").unwrap();
@@ -210,9 +210,8 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
             })),
             ..Update::default()
         };
-        applier.apply(&delta).unwrap();
+        let plan = applier.apply(&delta).unwrap().guards;
         assert_eq!(listed(ns), everything, "the commit leaves the map alone");
-        let plan = applier.take_stale_guarded();
         assert_eq!(plan.len(), 2);
         let dumped = sock.dump_elements(Family::Ip, TABLE, AFFINITY).unwrap();
         assert_eq!(plan.select(&tkey, AFFINITY, &dumped).len(), 3);

@@ -11,11 +11,11 @@ use splitproxy_proto::v1::{
 
 use super::*;
 
-pub(super) const TABLE: &str = "splitproxy";
-pub(super) const TCP: u32 = 6;
-pub(super) const UDP: u32 = 17;
-pub(super) const AFFINITY: &str = "affinity";
-pub(super) const MEMBERS: &str = "affinity-members";
+pub(crate) const TABLE: &str = "splitproxy";
+pub(crate) const TCP: u32 = 6;
+pub(crate) const UDP: u32 = 17;
+pub(crate) const AFFINITY: &str = "affinity";
+pub(crate) const MEMBERS: &str = "affinity-members";
 
 fn addr(a: &str) -> Datum {
     let value = match a.parse::<IpAddr>().unwrap() {
@@ -30,7 +30,7 @@ fn num(value: Value) -> Datum {
 }
 
 /// The guarded map: `client . destination . proto . port -> endpoint . port`.
-pub(super) fn affinity_map(v6: bool) -> Set {
+pub(crate) fn affinity_map(v6: bool) -> Set {
     use DataType::*;
     let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
     Set {
@@ -45,7 +45,7 @@ pub(super) fn affinity_map(v6: bool) -> Set {
 }
 
 /// The guard set: `destination . proto . port . endpoint . port`.
-pub(super) fn members_set(v6: bool, elements: Vec<Element>) -> Set {
+pub(crate) fn members_set(v6: bool, elements: Vec<Element>) -> Set {
     use DataType::*;
     let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
     Set {
@@ -64,7 +64,7 @@ pub(super) fn members_set(v6: bool, elements: Vec<Element>) -> Set {
 }
 
 /// `dst . proto . port . ep . ep_port`
-pub(super) fn member(dst: &str, proto: u32, port: u32, ep: &str, ep_port: u32) -> Element {
+pub(crate) fn member(dst: &str, proto: u32, port: u32, ep: &str, ep_port: u32) -> Element {
     Element {
         key: vec![
             addr(dst),
@@ -78,7 +78,7 @@ pub(super) fn member(dst: &str, proto: u32, port: u32, ep: &str, ep_port: u32) -
 }
 
 /// The map entry `client . dst . proto . port : ep . ep_port` as the IR writes it.
-pub(super) fn entry(
+pub(crate) fn entry(
     client: &str,
     dst: &str,
     proto: u32,
@@ -128,7 +128,7 @@ fn table(family: Family, sets: Vec<Set>) -> Table {
     }
 }
 
-pub(super) fn ruleset(members: Vec<Element>) -> Ruleset {
+pub(crate) fn ruleset(members: Vec<Element>) -> Ruleset {
     Ruleset {
         tables: vec![table(
             Family::Ip,

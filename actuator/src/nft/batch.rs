@@ -14,16 +14,17 @@ use super::consts::*;
 use super::element::{self, Op};
 use super::error::EncodeError;
 use super::expr::Ctx;
-use super::nla::{Attr, Attrs, Nest, NlaBuf, align4};
 use super::set::SetLayout;
 use super::{chain, rule, set, table};
+use crate::netlink::attr::{Attr, Attrs, Nest, NlaBuf, align4};
+use crate::netlink::message::nfnl_header;
 
 /// Upper bound of one message's element list. `nla_len` is a u16, so a nested list cannot
 /// exceed 64 KiB; many messages of this size go into one transaction instead.
 const ELEMENTS_PER_MESSAGE_BYTES: usize = 60 * 1024;
 
 /// Length of nlmsghdr + nfgenmsg, where every message's attributes start.
-pub(crate) const HEADER_LEN: usize = NLMSG_HDRLEN + NFGENMSG_LEN;
+pub(crate) const HEADER_LEN: usize = NFNL_HEADER_LEN;
 
 /// An element message being filled.
 struct OpenElements {
@@ -382,14 +383,14 @@ impl Batch {
     /// Writes nlmsghdr (length, sequence number and port id filled in later) and nfgenmsg.
     fn begin(&mut self, msg_type: u8, family: u8, flags: u16) -> usize {
         let start = self.buf.len();
-        let mut hdr = [0u8; HEADER_LEN];
-        let ty = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg_type);
-        hdr[4..6].copy_from_slice(&ty.to_ne_bytes());
-        hdr[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_ACK | flags).to_ne_bytes());
-        hdr[16] = family;
-        hdr[17] = NFNETLINK_V0;
-        // hdr[18..20]: res_id 0
-        self.buf.extend_raw(&hdr);
+        self.buf.extend_raw(&nfnl_header(
+            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg_type),
+            NLM_F_REQUEST | NLM_F_ACK | flags,
+            0,
+            family,
+            0,
+            0,
+        ));
         start
     }
 

@@ -6,8 +6,8 @@ use splitproxy_proto::v1::{BaseChain, Chain, ChainType, Hook};
 use super::check;
 use super::consts::*;
 use super::error::EncodeError;
-use super::nla::NlaBuf;
 use super::udata::Udata;
+use crate::netlink::attr::NlaBuf;
 
 fn hook_number(hook: i32) -> Result<u32, EncodeError> {
     Ok(match check::enum_value::<Hook>("chain.base.hook", hook)? {
@@ -90,7 +90,7 @@ pub(crate) fn encode_name(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::nft::nla::Attrs;
+    use crate::netlink::attr::Attrs;
     use crate::nft::udata::comment_of;
 
     /// (table, chain) of a chain message's attributes; the rules are not part of it.

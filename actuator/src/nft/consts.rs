@@ -4,26 +4,10 @@
 //! reads back when it lists the ruleset. Only what the encoder uses is here.
 #![allow(dead_code)] // a complete, checked table is easier to review than a minimal one
 
-pub use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_ACK_TLVS, NLM_F_APPEND, NLM_F_CAPPED, NLM_F_CREATE, NLM_F_DUMP, NLM_F_REQUEST,
-};
-
-// ---- netlink ----
-pub const NLMSG_HDRLEN: usize = 16;
-pub const NLMSG_ERROR: u16 = 2;
-pub const NLMSG_DONE: u16 = 3;
-pub const NLA_F_NESTED: u16 = 0x8000;
-pub const NLA_F_NET_BYTEORDER: u16 = 0x4000;
-pub const NLA_TYPE_MASK: u16 = !(NLA_F_NESTED | NLA_F_NET_BYTEORDER);
-pub const NLA_HDRLEN: usize = 4;
-/// `nla_len` is a u16: no attribute, nested ones included, can be longer.
-pub const NLA_MAX_LEN: usize = u16::MAX as usize;
-pub const NLMSGERR_ATTR_MSG: u16 = 1;
-pub const NLMSGERR_ATTR_OFFS: u16 = 2;
+// ---- netlink and nfnetlink, shared with ctnetlink ----
+pub use crate::netlink::consts::*;
 
 // ---- nfnetlink ----
-pub const NFGENMSG_LEN: usize = 4;
-pub const NFNETLINK_V0: u8 = 0;
 pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
 pub const NFNL_MSG_BATCH_BEGIN: u16 = 16; // NLMSG_MIN_TYPE
 pub const NFNL_MSG_BATCH_END: u16 = 17;

@@ -13,7 +13,7 @@ use splitproxy_proto::v1::{DataType, Datum, datum::Value};
 
 use super::consts::{BYTEORDER_BIG_ENDIAN, BYTEORDER_HOST_ENDIAN, NFT_REG32_COUNT, TYPE_BITS};
 use super::error::type_name;
-use super::nla::align4;
+use crate::netlink::attr::align4;
 
 /// Unpadded length in bytes of one field of type `t`; `None` for types that are not values.
 pub(crate) fn field_len(t: DataType) -> Option<usize> {

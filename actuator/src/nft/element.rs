@@ -11,9 +11,9 @@ use super::check;
 use super::consts::*;
 use super::error::EncodeError;
 use super::expr::{put_value, verdict::put_verdict};
-use super::nla::{Attr, Attrs, NlaBuf};
 use super::set::{SetData, SetLayout};
 use super::udata::Udata;
+use crate::netlink::attr::{Attr, Attrs, NlaBuf};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {

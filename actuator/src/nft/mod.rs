@@ -1,7 +1,7 @@
 //! nf_tables over netlink: lowers the ruleset IR one to one into nf_tables messages, batches
 //! them into one transaction, and commits it atomically.
 //!
-//! Messages are encoded by hand into one buffer (see `nla.rs`): `netlink-packet-netfilter`
+//! Messages are encoded by hand into one buffer (see netlink/attr.rs): `netlink-packet-netfilter`
 //! 0.4 knows tables, chains, rules and sets but only 6 of the 14 expressions splitproxy needs
 //! (no ct, fib, numgen, nat, masq, reject, dynset, counter), and building an attribute tree per
 //! set element would cost an allocation per element at 100,000 elements. The tests parse our
@@ -20,7 +20,6 @@ mod datum;
 mod element;
 mod error;
 mod expr;
-pub(crate) mod nla;
 mod rule;
 mod set;
 mod socket;

@@ -7,8 +7,8 @@ use super::check;
 use super::consts::*;
 use super::error::EncodeError;
 use super::expr::{self, Ctx};
-use super::nla::NlaBuf;
 use super::udata::Udata;
+use crate::netlink::attr::NlaBuf;
 
 pub(crate) fn encode_add(
     b: &mut NlaBuf,
@@ -41,7 +41,7 @@ pub(crate) fn encode_add(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::nft::nla::Attrs;
+    use crate::netlink::attr::Attrs;
     use crate::nft::udata::comment_of;
 
     /// (table, chain, rule) of a rule message's attributes.

@@ -11,8 +11,8 @@ use super::check;
 use super::consts::*;
 use super::datum::Fields;
 use super::error::EncodeError;
-use super::nla::NlaBuf;
 use super::udata::Udata;
+use crate::netlink::attr::NlaBuf;
 
 /// What a set's elements carry besides their key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,7 +222,7 @@ pub(crate) fn encode_del(b: &mut NlaBuf, table: &str, set: &str) -> Result<(), E
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::nft::nla::Attrs;
+    use crate::netlink::attr::Attrs;
     use crate::nft::udata::{comment_of, parse};
 
     /// Rebuilds the IR set definition from a NEWSET message's attributes (elements aside).

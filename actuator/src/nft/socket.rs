@@ -14,9 +14,8 @@
 use std::io;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::Socket;
 use nix::sys::socket::{setsockopt, sockopt};
-use nix::sys::time::TimeVal;
 
 use splitproxy_proto::v1::Family;
 
@@ -25,7 +24,9 @@ use super::check;
 use super::consts::*;
 use super::element::{self, RawElement};
 use super::error::{CommitError, MessageFailure};
-use super::nla::{Attrs, NlaBuf, align4};
+use crate::netlink;
+use crate::netlink::attr::{Attrs, NlaBuf};
+use crate::netlink::message::{Ack, Messages, nfnl_header};
 
 /// Longest wait for an acknowledgement. Batches are processed synchronously within `send`, so
 /// the acknowledgements are normally queued before we read; this only bounds the unexpected.
@@ -56,13 +57,7 @@ fn seq_of(base: u32, i: usize) -> u32 {
 impl NftSocket {
     /// Opens the socket in the current thread's network namespace.
     pub fn open() -> io::Result<Self> {
-        let mut sock = Socket::new(NETLINK_NETFILTER)?;
-        sock.bind_auto()?;
-        sock.connect(&SocketAddr::new(0, 0))?;
-        sock.set_cap_ack(true)?;
-        sock.set_ext_ack(true)?;
-        let timeout = TimeVal::new(ACK_TIMEOUT.as_secs() as _, 0);
-        setsockopt(&sock, sockopt::ReceiveTimeout, &timeout).map_err(io::Error::from)?;
+        let sock = netlink::open(ACK_TIMEOUT, true)?;
         // Like libmnl, start from the clock so that a restarted process does not reuse the
         // previous one's sequence numbers.
         let seq = SystemTime::now()
@@ -136,11 +131,12 @@ impl NftSocket {
         attrs.put_strz(NFTA_SET_ELEM_LIST_TABLE, table);
         attrs.put_strz(NFTA_SET_ELEM_LIST_SET, set);
         self.out.clear();
-        self.out.extend_from_slice(&request_header(
-            NFT_MSG_GETSETELEM,
+        self.out.extend_from_slice(&nfnl_header(
+            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_GETSETELEM),
             NLM_F_REQUEST | NLM_F_DUMP,
-            nfproto,
             seq,
+            nfproto,
+            0,
             HEADER_LEN + attrs.len(),
         ));
         self.out.extend_from_slice(attrs.bytes());
@@ -292,175 +288,67 @@ fn frame(out: &mut Vec<u8>, batch: &Batch, base: u32) {
     out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
 }
 
-/// nlmsghdr and nfgenmsg of a request that stands alone (not in a batch).
-fn request_header(msg_type: u8, flags: u16, nfproto: u8, seq: u32, len: usize) -> [u8; HEADER_LEN] {
-    let mut m = [0u8; HEADER_LEN];
-    m[0..4].copy_from_slice(&(len as u32).to_ne_bytes());
-    let ty = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg_type);
-    m[4..6].copy_from_slice(&ty.to_ne_bytes());
-    m[6..8].copy_from_slice(&flags.to_ne_bytes());
-    m[8..12].copy_from_slice(&seq.to_ne_bytes());
-    m[16] = nfproto;
-    m[17] = NFNETLINK_V0;
-    m
-}
-
 /// Reads one datagram of a set element dump (request `seq`), appending its elements to `out`.
 /// True once the dump is done; an error the kernel reports instead of elements is returned.
-fn parse_dump(mut buf: &[u8], seq: u32, out: &mut Vec<RawElement>) -> io::Result<bool> {
+fn parse_dump(buf: &[u8], seq: u32, out: &mut Vec<RawElement>) -> io::Result<bool> {
     let newsetelem = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_NEWSETELEM);
-    while buf.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        if len < NLMSG_HDRLEN || len > buf.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "truncated netlink message in a dump",
-            ));
-        }
-        let ty = u16::from_ne_bytes([buf[4], buf[5]]);
-        let msg_seq = u32::from_ne_bytes([buf[8], buf[9], buf[10], buf[11]]);
-        let payload = &buf[NLMSG_HDRLEN..len];
-        buf = buf.get(align4(len)..).unwrap_or_default();
-        if msg_seq != seq {
+    for msg in Messages::new(buf) {
+        let msg = msg?;
+        if msg.seq != seq {
             continue; // not ours: left over from an earlier request
         }
         // NLMSG_DONE carries the dump's result, NLMSG_ERROR a refusal of the request.
-        let errno = || {
-            payload
-                .get(0..4)
-                .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-                .unwrap_or(0)
-        };
-        match ty {
-            NLMSG_DONE | NLMSG_ERROR if errno() < 0 => {
-                return Err(io::Error::from_raw_os_error(-errno()));
-            }
-            NLMSG_DONE | NLMSG_ERROR => return Ok(true),
-            t if t == newsetelem => {
-                let attrs = Attrs::new(payload.get(NFGENMSG_LEN..).unwrap_or_default());
+        let status = msg.done().or_else(|| msg.ack().map(|a| a.errno));
+        match status {
+            Some(0) => return Ok(true),
+            Some(errno) => return Err(io::Error::from_raw_os_error(errno)),
+            None if msg.ty == newsetelem => {
+                let attrs = Attrs::new(msg.nfnl_attrs().unwrap_or_default());
                 if let Some(list) = attrs.find(NFTA_SET_ELEM_LIST_ELEMENTS) {
                     element::decode_raw(&list, out);
                 }
             }
-            _ => {}
+            None => {}
         }
-    }
-    if !buf.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "trailing bytes in a dump datagram",
-        ));
     }
     Ok(false)
 }
 
 /// NFNL_MSG_BATCH_BEGIN or _END for the nf_tables subsystem.
 fn batch_marker(ty: u16, seq: u32) -> [u8; HEADER_LEN] {
-    let mut m = [0u8; HEADER_LEN];
-    m[0..4].copy_from_slice(&(HEADER_LEN as u32).to_ne_bytes());
-    m[4..6].copy_from_slice(&ty.to_ne_bytes());
-    m[6..8].copy_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-    m[8..12].copy_from_slice(&seq.to_ne_bytes());
-    m[16] = AF_UNSPEC;
-    m[17] = NFNETLINK_V0;
-    m[18..20].copy_from_slice(&NFNL_SUBSYS_NFTABLES.to_be_bytes());
-    m
-}
-
-/// One NLMSG_ERROR (an acknowledgement when errno is 0).
-#[derive(Debug, PartialEq, Eq)]
-struct Ack {
-    seq: u32,
-    /// Positive errno, 0 for success.
-    errno: i32,
-    message: Option<String>,
-    /// NLMSGERR_ATTR_OFFS: offset of the offending attribute in the original message.
-    bad_attr: Option<u32>,
-}
-
-/// The acknowledgements in one received datagram; other message types are skipped.
-fn parse_acks(mut buf: &[u8]) -> Vec<Ack> {
-    let mut out = Vec::new();
-    while buf.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        if len < NLMSG_HDRLEN || len > buf.len() {
-            break;
-        }
-        let ty = u16::from_ne_bytes([buf[4], buf[5]]);
-        let flags = u16::from_ne_bytes([buf[6], buf[7]]);
-        let seq = u32::from_ne_bytes([buf[8], buf[9], buf[10], buf[11]]);
-        let payload = &buf[NLMSG_HDRLEN..len];
-        if ty == NLMSG_ERROR
-            && let Some(ack) = parse_error(seq, flags, payload)
-        {
-            out.push(ack);
-        }
-        buf = buf.get(align4(len)..).unwrap_or_default();
-    }
-    out
-}
-
-/// `struct nlmsgerr { int error; struct nlmsghdr msg; }`, the original message's payload
-/// unless capped, then the extended-ack attributes if NLM_F_ACK_TLVS.
-fn parse_error(seq: u32, flags: u16, payload: &[u8]) -> Option<Ack> {
-    let error = i32::from_ne_bytes(payload.get(0..4)?.try_into().ok()?);
-    let orig = payload.get(4..4 + NLMSG_HDRLEN)?;
-    let orig_len = u32::from_ne_bytes(orig[0..4].try_into().ok()?) as usize;
-    let echoed = if flags & NLM_F_CAPPED != 0 {
-        NLMSG_HDRLEN
-    } else {
-        align4(orig_len.max(NLMSG_HDRLEN))
-    };
-    let mut ack = Ack {
+    nfnl_header(
+        ty,
+        NLM_F_REQUEST,
         seq,
-        errno: error.saturating_neg(),
-        message: None,
-        bad_attr: None,
-    };
-    if flags & NLM_F_ACK_TLVS != 0
-        && let Some(tlvs) = payload.get(4 + echoed..)
-    {
-        for a in Attrs::new(tlvs) {
-            match a.ty {
-                NLMSGERR_ATTR_MSG => ack.message = a.str().map(str::to_owned),
-                NLMSGERR_ATTR_OFFS => ack.bad_attr = a.u32_ne(),
-                _ => {}
-            }
-        }
-    }
-    Some(ack)
+        AF_UNSPEC,
+        NFNL_SUBSYS_NFTABLES,
+        HEADER_LEN,
+    )
+}
+
+/// The acknowledgements in one received datagram; other message types are skipped, and so
+/// is whatever follows a malformed message.
+fn parse_acks(buf: &[u8]) -> Vec<Ack> {
+    Messages::new(buf)
+        .map_while(Result::ok)
+        .filter_map(|m| m.ack())
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn error_msg(seq: u32, error: i32, tlvs: &[u8]) -> Vec<u8> {
-        let mut m = Vec::new();
-        let len = NLMSG_HDRLEN + 4 + NLMSG_HDRLEN + tlvs.len();
-        m.extend_from_slice(&(len as u32).to_ne_bytes());
-        m.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
-        let flags = NLM_F_CAPPED | if tlvs.is_empty() { 0 } else { NLM_F_ACK_TLVS };
-        m.extend_from_slice(&flags.to_ne_bytes());
-        m.extend_from_slice(&seq.to_ne_bytes());
-        m.extend_from_slice(&0u32.to_ne_bytes());
-        m.extend_from_slice(&error.to_ne_bytes());
-        m.extend_from_slice(&[0; NLMSG_HDRLEN]);
-        m.extend_from_slice(tlvs);
-        m
-    }
+    use crate::netlink::message::fixtures::{done, error};
 
-    /// A netlink message of type `ty` (nf_tables subsystem unless a control type) with `body`.
+    /// A message of type `ty` of a dump, with `body`.
     fn message(ty: u16, seq: u32, body: &[u8]) -> Vec<u8> {
-        let mut m = Vec::new();
-        m.extend_from_slice(&((NLMSG_HDRLEN + body.len()) as u32).to_ne_bytes());
-        m.extend_from_slice(&ty.to_ne_bytes());
-        m.extend_from_slice(&netlink_packet_core::NLM_F_MULTIPART.to_ne_bytes());
-        m.extend_from_slice(&seq.to_ne_bytes());
-        m.extend_from_slice(&0u32.to_ne_bytes());
-        m.extend_from_slice(body);
-        m.resize(align4(m.len()), 0);
-        m
+        crate::netlink::message::fixtures::message(
+            ty,
+            netlink_packet_core::NLM_F_MULTIPART,
+            seq,
+            body,
+        )
     }
 
     fn elements_message(seq: u32, keys: &[[u8; 4]]) -> Vec<u8> {
@@ -488,17 +376,16 @@ mod tests {
         dgram.extend(elements_message(4, &[[6, 6, 6, 6]]));
         assert!(!parse_dump(&dgram, 5, &mut out).unwrap());
         let mut last = elements_message(5, &[[3, 3, 3, 3]]);
-        last.extend(message(NLMSG_DONE, 5, &0i32.to_ne_bytes()));
+        last.extend(done(5, 0));
         assert!(parse_dump(&last, 5, &mut out).unwrap());
         let keys: Vec<Vec<u8>> = out.iter().map(|e| e.key.clone()).collect();
         assert_eq!(keys, vec![vec![1; 4], vec![2; 4], vec![3; 4]]);
         assert!(out.iter().all(|e| e.data == [9; 4]));
 
         // The set does not exist: the kernel answers with an error.
-        let err = parse_dump(&error_msg(6, -2, &[]), 6, &mut out).unwrap_err();
+        let err = parse_dump(&error(6, -2, &[]), 6, &mut out).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(2));
-        let err =
-            parse_dump(&message(NLMSG_DONE, 6, &(-4i32).to_ne_bytes()), 6, &mut out).unwrap_err();
+        let err = parse_dump(&done(6, -4), 6, &mut out).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(4));
         // Cut short.
         let whole = elements_message(7, &[[1; 4]]);
@@ -507,30 +394,20 @@ mod tests {
     }
 
     #[test]
-    fn parses_acks_errors_and_extended_acks() {
+    fn collects_the_acks_of_a_datagram_up_to_a_malformed_message() {
         let mut tlvs = NlaBuf::new();
         tlvs.put_strz(NLMSGERR_ATTR_MSG, "bad thing");
-        tlvs.put(NLMSGERR_ATTR_OFFS, &44u32.to_ne_bytes());
-        let mut dgram = error_msg(7, 0, &[]);
-        dgram.extend(error_msg(8, -2, tlvs.bytes()));
-        let acks = parse_acks(&dgram);
-        assert_eq!(
-            acks,
-            vec![
-                Ack {
-                    seq: 7,
-                    errno: 0,
-                    message: None,
-                    bad_attr: None
-                },
-                Ack {
-                    seq: 8,
-                    errno: 2,
-                    message: Some("bad thing".to_owned()),
-                    bad_attr: Some(44)
-                },
-            ]
-        );
+        let mut dgram = error(7, 0, &[]);
+        dgram.extend(elements_message(7, &[[1; 4]]));
+        dgram.extend(error(8, -2, tlvs.bytes()));
+        let whole = dgram.len();
+        dgram.extend(error(9, -1, &[]));
+        let acks = parse_acks(&dgram[..whole + 10]);
+        let got: Vec<(u32, i32, Option<&str>)> = acks
+            .iter()
+            .map(|a| (a.seq, a.errno, a.message.as_deref()))
+            .collect();
+        assert_eq!(got, vec![(7, 0, None), (8, 2, Some("bad thing"))]);
         assert!(parse_acks(&dgram[..10]).is_empty());
     }
 

@@ -4,8 +4,8 @@
 use super::check;
 use super::consts::*;
 use super::error::EncodeError;
-use super::nla::NlaBuf;
 use super::udata::Udata;
+use crate::netlink::attr::NlaBuf;
 
 /// Attributes of a table creation: its name and its comment (libnftnl userdata).
 pub(crate) fn encode_add(b: &mut NlaBuf, name: &str, comment: &str) -> Result<(), EncodeError> {
@@ -30,7 +30,7 @@ pub(crate) fn encode_del(b: &mut NlaBuf, name: &str) -> Result<(), EncodeError> 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::nft::nla::Attrs;
+    use crate::netlink::attr::Attrs;
     use crate::nft::udata::comment_of;
 
     /// (name, comment) of a table message's attributes.

@@ -95,6 +95,13 @@ fn answer(f: &Fanout, node: &str, frames: &[UpdateFrame], sent: Held, ok: bool) 
             seconds: 0,
             nanos: 5_000_000,
         }),
+        errno: if ok { 0 } else { 2 },
+        refused_message: if ok {
+            String::new()
+        } else {
+            "delete elements from set service-ips".into()
+        },
+        kernel_message: String::new(),
     };
     f.record_ack(node, &ack, sent)
 }
@@ -264,6 +271,12 @@ fn a_nack_makes_the_next_update_a_snapshot() {
     let st = node_state(&f, "n1");
     assert!(st.acked.is_none(), "held state dropped");
     assert_eq!(st.last_error, "kernel says no");
+    // The kernel's errno and the refused message reach ListNodes' fields.
+    assert_eq!(st.last_errno, 2);
+    assert_eq!(
+        st.last_refused_message,
+        "delete elements from set service-ips"
+    );
     assert_eq!(f.metrics.nacks.load(Ordering::Relaxed), 1);
     assert!(f.resume_point("n1", Some(&before)).is_none());
 

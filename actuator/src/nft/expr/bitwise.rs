@@ -4,10 +4,10 @@
 use splitproxy_proto::v1::Bitwise;
 
 use super::put_value;
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Bitwise, b: &mut NlaBuf) -> Result<(), EncodeError> {
     let len = e.mask.len();
@@ -34,7 +34,7 @@ pub(super) fn encode(e: &Bitwise, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Bitwise {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Bitwise {
     use super::tests::{reg_of, u32_of, value};
     assert_eq!(
         u32_of(a, NFTA_BITWISE_LEN) as usize,

@@ -3,10 +3,10 @@
 use splitproxy_proto::v1::{Cmp, CmpOp};
 
 use super::put_value;
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Cmp, b: &mut NlaBuf) -> Result<(), EncodeError> {
     // CmpOp's numbers are the kernel's NFT_CMP_*.
@@ -19,7 +19,7 @@ pub(super) fn encode(e: &Cmp, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Cmp {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Cmp {
     use super::tests::{reg_of, u32_of, value};
     Cmp {
         op: u32_of(a, NFTA_CMP_OP) as i32,

@@ -2,15 +2,15 @@
 
 use splitproxy_proto::v1::Counter;
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(_: &Counter, _: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
 #[cfg(test)]
-pub(super) fn decode(_: &crate::nft::nla::Attrs<'_>) -> Counter {
+pub(super) fn decode(_: &crate::netlink::attr::Attrs<'_>) -> Counter {
     Counter {}
 }
 

@@ -10,10 +10,10 @@
 
 use splitproxy_proto::v1::{Ct, CtDirection, CtKey};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 /// Whether the key needs a direction: `Some(true)` required, `Some(false)` refused, `None`
 /// either.
@@ -102,7 +102,7 @@ const ALL_KEYS: [CtKey; 10] = [
 ];
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Ct {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Ct {
     use super::tests::{reg_of, u32_of};
     let raw = u32_of(a, NFTA_CT_KEY);
     let key = ALL_KEYS
@@ -126,7 +126,7 @@ pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Ct {
 mod tests {
     use super::super::tests::{encode_err, round_trip};
     use super::*;
-    use crate::nft::nla::{Attrs, NlaBuf};
+    use crate::netlink::attr::{Attrs, NlaBuf};
     use splitproxy_proto::v1::expr::Kind;
 
     fn ct(key: CtKey, direction: CtDirection, dreg: u32) -> Ct {

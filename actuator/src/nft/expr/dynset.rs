@@ -3,10 +3,10 @@
 
 use splitproxy_proto::v1::{Dynset, DynsetOp};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Dynset, b: &mut NlaBuf) -> Result<(), EncodeError> {
     check::name("set", &e.set)?;
@@ -31,7 +31,7 @@ pub(super) fn encode(e: &Dynset, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Dynset {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Dynset {
     use super::tests::{reg_of, u32_of};
     let has_data = a.find(NFTA_DYNSET_SREG_DATA).is_some();
     Dynset {

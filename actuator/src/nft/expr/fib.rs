@@ -3,10 +3,10 @@
 
 use splitproxy_proto::v1::{Fib, FibResult};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 /// NFTA_FIB_F_* bits the kernel knows (saddr..present).
 const KNOWN_FLAGS: u32 = 0x3f;
@@ -33,7 +33,7 @@ pub(super) fn encode(e: &Fib, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Fib {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Fib {
     use super::tests::{reg_of, u32_of};
     Fib {
         flags: u32_of(a, NFTA_FIB_FLAGS),

@@ -4,10 +4,10 @@
 use splitproxy_proto::v1::Immediate;
 
 use super::put_value;
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Immediate, b: &mut NlaBuf) -> Result<(), EncodeError> {
     check::length("immediate.data", e.data.len(), NFT_DATA_VALUE_MAXLEN)?;
@@ -17,7 +17,7 @@ pub(super) fn encode(e: &Immediate, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Immediate {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Immediate {
     use super::tests::{reg_of, value};
     Immediate {
         dreg: reg_of(a, NFTA_IMMEDIATE_DREG),

@@ -4,10 +4,10 @@
 
 use splitproxy_proto::v1::Lookup;
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Lookup, b: &mut NlaBuf) -> Result<(), EncodeError> {
     check::name("set", &e.set)?;
@@ -38,7 +38,7 @@ pub(super) fn encode(e: &Lookup, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Lookup {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Lookup {
     use super::tests::{reg_of, u32_of};
     let dreg = a.find(NFTA_LOOKUP_DREG).and_then(|x| x.u32_be());
     Lookup {

@@ -2,9 +2,9 @@
 
 use splitproxy_proto::v1::Masquerade;
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Masquerade, b: &mut NlaBuf) -> Result<(), EncodeError> {
     if e.flags != 0 {
@@ -14,7 +14,7 @@ pub(super) fn encode(e: &Masquerade, b: &mut NlaBuf) -> Result<(), EncodeError> 
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Masquerade {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Masquerade {
     Masquerade {
         flags: super::tests::u32_of(a, NFTA_MASQ_FLAGS),
     }

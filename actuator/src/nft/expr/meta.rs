@@ -3,10 +3,10 @@
 
 use splitproxy_proto::v1::{Meta, MetaKey};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 /// The IR's meta keys are numbered for readability; these are the kernel's.
 fn kernel_key(k: MetaKey) -> Option<u32> {
@@ -41,7 +41,7 @@ pub(super) fn encode(e: &Meta, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Meta {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Meta {
     use super::tests::{reg_of, u32_of};
     let raw = u32_of(a, NFTA_META_KEY);
     let key = (1..=10)

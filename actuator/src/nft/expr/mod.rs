@@ -24,7 +24,7 @@ use splitproxy_proto::v1::{Expr, expr::Kind};
 
 use super::consts::{NFTA_DATA_VALUE, NFTA_EXPR_DATA, NFTA_EXPR_NAME, NFTA_LIST_ELEM};
 use super::error::EncodeError;
-use super::nla::NlaBuf;
+use crate::netlink::attr::NlaBuf;
 
 /// What an expression needs to know about where it is going.
 #[derive(Debug, Clone, Copy)]
@@ -99,8 +99,8 @@ mod decode {
     use splitproxy_proto::v1::{Expr, expr::Kind};
 
     use super::*;
+    use crate::netlink::attr::{Attr, Attrs};
     use crate::nft::consts::{NFT_REG_VERDICT, NFTA_IMMEDIATE_DREG};
-    use crate::nft::nla::{Attr, Attrs};
 
     /// Reads one NFTA_LIST_ELEM of an expression list back into IR.
     pub(crate) fn decode(elem: &Attr<'_>) -> Expr {
@@ -169,8 +169,8 @@ mod decode {
 pub(crate) mod tests {
     pub(crate) use super::decode::{ir_reg, reg_of, u32_of, value};
     use super::*;
+    use crate::netlink::attr::Attrs;
     use crate::nft::consts::NFPROTO_IPV4;
-    use crate::nft::nla::Attrs;
 
     /// Encodes `kind` in an ip table and decodes it back.
     pub(crate) fn round_trip(kind: Kind) -> Kind {

@@ -5,10 +5,10 @@
 use splitproxy_proto::v1::{Family, Nat, NatType};
 
 use super::Ctx;
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Nat, ctx: Ctx, b: &mut NlaBuf) -> Result<(), EncodeError> {
     let ty = match check::enum_value::<NatType>("nat.type", e.r#type)? {
@@ -56,7 +56,7 @@ pub(super) fn encode(e: &Nat, ctx: Ctx, b: &mut NlaBuf) -> Result<(), EncodeErro
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Nat {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Nat {
     use super::tests::{reg_of, u32_of};
     let has_addr = a.find(NFTA_NAT_REG_ADDR_MIN).is_some();
     let has_proto = a.find(NFTA_NAT_REG_PROTO_MIN).is_some();

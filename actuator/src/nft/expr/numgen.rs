@@ -3,10 +3,10 @@
 
 use splitproxy_proto::v1::{Numgen, NumgenType};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Numgen, b: &mut NlaBuf) -> Result<(), EncodeError> {
     // NumgenType's numbers are the kernel's NFT_NG_*.
@@ -29,7 +29,7 @@ pub(super) fn encode(e: &Numgen, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Numgen {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Numgen {
     use super::tests::{reg_of, u32_of};
     Numgen {
         r#type: u32_of(a, NFTA_NG_TYPE) as i32,

@@ -3,10 +3,10 @@
 
 use splitproxy_proto::v1::{Payload, PayloadBase};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Payload, b: &mut NlaBuf) -> Result<(), EncodeError> {
     let base = match check::enum_value::<PayloadBase>("payload.base", e.base)? {
@@ -29,7 +29,7 @@ pub(super) fn encode(e: &Payload, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Payload {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Payload {
     use super::tests::{reg_of, u32_of};
     let base = match u32_of(a, NFTA_PAYLOAD_BASE) {
         NFT_PAYLOAD_LL_HEADER => PayloadBase::Link,

@@ -4,10 +4,10 @@
 
 use splitproxy_proto::v1::{Reject, RejectType};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 pub(super) fn encode(e: &Reject, b: &mut NlaBuf) -> Result<(), EncodeError> {
     let (ty, code) = match check::enum_value::<RejectType>("reject.type", e.r#type)? {
@@ -31,7 +31,7 @@ pub(super) fn encode(e: &Reject, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Reject {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Reject {
     Reject {
         r#type: super::tests::u32_of(a, NFTA_REJECT_TYPE) as i32,
         code: a

@@ -4,10 +4,10 @@
 
 use splitproxy_proto::v1::{Verdict, VerdictCode};
 
+use crate::netlink::attr::NlaBuf;
 use crate::nft::check;
 use crate::nft::consts::*;
 use crate::nft::error::EncodeError;
-use crate::nft::nla::NlaBuf;
 
 /// The kernel's verdict code, and the chain for jump and goto.
 fn lower(v: &Verdict) -> Result<(i32, Option<&str>), EncodeError> {
@@ -59,7 +59,7 @@ pub(super) fn encode(e: &Verdict, b: &mut NlaBuf) -> Result<(), EncodeError> {
 
 /// Reads `ty { NFTA_DATA_VERDICT {...} }` back (tests only).
 #[cfg(test)]
-pub(crate) fn decode_verdict(a: &crate::nft::nla::Attrs<'_>, ty: u16) -> Verdict {
+pub(crate) fn decode_verdict(a: &crate::netlink::attr::Attrs<'_>, ty: u16) -> Verdict {
     let v = a
         .find(ty)
         .unwrap()
@@ -91,7 +91,7 @@ pub(crate) fn decode_verdict(a: &crate::nft::nla::Attrs<'_>, ty: u16) -> Verdict
 }
 
 #[cfg(test)]
-pub(super) fn decode(a: &crate::nft::nla::Attrs<'_>) -> Verdict {
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Verdict {
     decode_verdict(a, NFTA_IMMEDIATE_DATA)
 }
 

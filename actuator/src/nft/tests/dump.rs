@@ -3,12 +3,12 @@
 //! down to the expressions `nft` leaves out when it prints a rule (the `meta l4proto tcp`
 //! before `reject with tcp reset`).
 
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use splitproxy_proto::v1::{Element, Rule, Set};
 
+use crate::netlink::attr::{Attrs, NlaBuf};
+use crate::netlink::message::{Messages, nfnl_header};
 use crate::nft::batch::HEADER_LEN;
 use crate::nft::consts::*;
-use crate::nft::nla::{Attrs, NlaBuf};
 use crate::nft::set::SetLayout;
 use crate::nft::{element, rule};
 
@@ -16,18 +16,17 @@ const NFT_MSG_GETRULE: u8 = 7;
 
 /// Sends one dump request with `attrs` and returns the attributes of every reply message.
 fn dump(msg_type: u8, family: u8, attrs: &NlaBuf) -> Vec<Vec<u8>> {
-    let mut sock = Socket::new(NETLINK_NETFILTER).unwrap();
-    sock.bind_auto().unwrap();
-    sock.connect(&SocketAddr::new(0, 0)).unwrap();
-    let mut req = vec![0u8; HEADER_LEN];
+    let sock = crate::netlink::open(std::time::Duration::from_secs(5), false).unwrap();
+    let mut req = nfnl_header(
+        (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg_type),
+        NLM_F_REQUEST | NLM_F_DUMP,
+        1,
+        family,
+        0,
+        HEADER_LEN + attrs.len(),
+    )
+    .to_vec();
     req.extend_from_slice(attrs.bytes());
-    let len = req.len() as u32;
-    req[0..4].copy_from_slice(&len.to_ne_bytes());
-    let ty = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg_type);
-    req[4..6].copy_from_slice(&ty.to_ne_bytes());
-    req[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
-    req[16] = family;
     sock.send(&req, 0).unwrap();
 
     let mut out = Vec::new();
@@ -35,19 +34,18 @@ fn dump(msg_type: u8, family: u8, attrs: &NlaBuf) -> Vec<Vec<u8>> {
     loop {
         buf.clear();
         let n = sock.recv(&mut buf, 0).unwrap();
-        let mut rest = &buf[..n];
-        while rest.len() >= NLMSG_HDRLEN {
-            let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
-            let ty = u16::from_ne_bytes([rest[4], rest[5]]);
-            match ty {
-                NLMSG_DONE => return out,
-                NLMSG_ERROR => {
-                    let err = i32::from_ne_bytes(rest[16..20].try_into().unwrap());
-                    panic!("dump failed: {}", std::io::Error::from_raw_os_error(-err));
-                }
-                _ => out.push(rest[HEADER_LEN..len].to_vec()),
+        for msg in Messages::new(&buf[..n]) {
+            let msg = msg.unwrap();
+            if let Some(errno) = msg.done().or_else(|| msg.ack().map(|a| a.errno)) {
+                assert_eq!(
+                    errno,
+                    0,
+                    "dump failed: {}",
+                    std::io::Error::from_raw_os_error(errno)
+                );
+                return out;
             }
-            rest = &rest[crate::nft::nla::align4(len).min(rest.len())..];
+            out.push(msg.nfnl_attrs().unwrap().to_vec());
         }
     }
 }

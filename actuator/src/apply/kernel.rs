@@ -1,0 +1,188 @@
+//! The kernel as the applier sees it: something that takes a [`Batch`] as one transaction,
+//! all of it or none of it ("atomic", docs/invariants.md).
+//!
+//! [`NftSocket`] is the real one. [`Recording`] is a fake for tests and benchmarks that need
+//! no kernel and no root: it keeps every batch it accepts (how many messages, and what each
+//! does, as the error reports describe it) and can be told to refuse the next one the way
+//! nf_tables does, with an errno and an extended-ack text, so that the applier's failure path
+//! runs without a kernel that misbehaves on cue.
+use crate::nft::{Batch, CommitError, MessageFailure, NftSocket};
+
+/// Commits batches. Implemented by [`NftSocket`] and by the [`Recording`] fake.
+pub trait Kernel {
+    /// Commits `batch` as one transaction. On error nothing of it was applied, unless
+    /// [`CommitError::rolled_back`] says the outcome is unknown.
+    fn commit(&mut self, batch: &Batch) -> Result<(), CommitError>;
+}
+
+impl Kernel for NftSocket {
+    fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
+        NftSocket::commit(self, batch)
+    }
+}
+
+/// One batch as [`Recording`] saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    /// What each message does, in batch order, as [`CommitError::Rejected`] would name it
+    /// (e.g. "delete elements from set service-ips (elements 0..=0 of the call)").
+    pub messages: Vec<String>,
+    /// Bytes of all messages.
+    pub bytes: usize,
+}
+
+impl Recorded {
+    fn of(batch: &Batch) -> Self {
+        Recorded {
+            messages: (0..batch.len()).map(|i| batch.describe(i, None)).collect(),
+            bytes: batch.byte_len(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+}
+
+/// How the next commit is to be refused.
+#[derive(Debug, Clone)]
+struct Refusal {
+    /// Index of the refused message (clamped to the batch).
+    message: usize,
+    errno: i32,
+    kernel_message: String,
+}
+
+/// A fake kernel that records what it is sent, in the spirit of google/nftables' recorder and
+/// knftables' fake. It checks nothing about the messages themselves (the kernel tests under
+/// nft/tests do): what it answers is what it was told to.
+#[derive(Debug, Default)]
+pub struct Recording {
+    committed: Vec<Recorded>,
+    refused: Vec<Recorded>,
+    refuse: Option<Refusal>,
+}
+
+impl Recording {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Every batch taken, oldest first.
+    pub fn committed(&self) -> &[Recorded] {
+        &self.committed
+    }
+
+    /// Every batch refused, oldest first.
+    pub fn refused(&self) -> &[Recorded] {
+        &self.refused
+    }
+
+    /// The latest batch taken.
+    pub fn last(&self) -> Option<&Recorded> {
+        self.committed.last()
+    }
+
+    /// Refuses the next commit, blaming its first message, with `errno` (positive, e.g. 2 for
+    /// ENOENT) and the kernel's extended-ack text `kernel_message`.
+    pub fn refuse_next(&mut self, errno: i32, kernel_message: &str) {
+        self.refuse_next_at(0, errno, kernel_message);
+    }
+
+    /// Like [`Recording::refuse_next`], blaming message `message` of the batch (the last one
+    /// if the batch is shorter).
+    pub fn refuse_next_at(&mut self, message: usize, errno: i32, kernel_message: &str) {
+        self.refuse = Some(Refusal {
+            message,
+            errno,
+            kernel_message: kernel_message.to_owned(),
+        });
+    }
+}
+
+impl Kernel for Recording {
+    /// Answers like [`NftSocket::commit`]: a poisoned batch is refused before anything is
+    /// sent, an empty one is taken without a trace, and a refusal has the shape nf_tables
+    /// gives it.
+    fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
+        if let Some(e) = batch.error() {
+            return Err(CommitError::Encode(e.clone()));
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let Some(refusal) = self.refuse.take() else {
+            self.committed.push(Recorded::of(batch));
+            return Ok(());
+        };
+        let index = refusal.message.min(batch.len() - 1);
+        self.refused.push(Recorded::of(batch));
+        Err(CommitError::Rejected {
+            failures: vec![MessageFailure {
+                errno: refusal.errno,
+                message: Some(index),
+                description: batch.describe(index, None),
+                kernel_message: Some(refusal.kernel_message).filter(|m| !m.is_empty()),
+            }],
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use splitproxy_proto::v1::Family;
+
+    fn two_messages() -> Batch {
+        let mut b = Batch::new();
+        b.add_table(Family::Ip, "t", "");
+        b.del_set(Family::Ip, "t", "s");
+        b
+    }
+
+    #[test]
+    fn records_what_it_takes_and_refuses_on_cue() {
+        let mut k = Recording::new();
+        k.commit(&two_messages()).unwrap();
+        k.commit(&Batch::new()).unwrap();
+        assert_eq!(k.committed().len(), 1, "an empty batch leaves no trace");
+        assert_eq!(
+            k.last().unwrap().messages,
+            vec!["add table ip t".to_owned(), "delete set s".to_owned()]
+        );
+        assert_eq!(k.last().unwrap().bytes, two_messages().byte_len());
+
+        k.refuse_next_at(7, 16, "Device or resource busy");
+        let err = k.commit(&two_messages()).unwrap_err();
+        let CommitError::Rejected { failures } = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(
+            failures,
+            &vec![MessageFailure {
+                errno: 16,
+                message: Some(1),
+                description: "delete set s".to_owned(),
+                kernel_message: Some("Device or resource busy".to_owned()),
+            }]
+        );
+        assert!(err.rolled_back());
+        assert_eq!((k.committed().len(), k.refused().len()), (1, 1));
+        // Only the next commit is refused.
+        k.commit(&two_messages()).unwrap();
+        assert_eq!(k.committed().len(), 2);
+    }
+
+    #[test]
+    fn a_poisoned_batch_is_refused_before_sending() {
+        let mut k = Recording::new();
+        let mut b = two_messages();
+        b.del_table(Family::Unspecified, "t");
+        assert!(matches!(k.commit(&b), Err(CommitError::Encode(_))));
+        assert!(k.committed().is_empty() && k.refused().is_empty());
+    }
+}

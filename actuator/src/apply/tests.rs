@@ -1,0 +1,443 @@
+//! The applier's decisions against the [`Recording`] kernel: what each update sends, and that
+//! an update the kernel refuses (or that is refused before the kernel is asked) leaves the
+//! applier exactly as it was ("atomic", "own table only", "cost follows the change",
+//! "restart without disruption", docs/invariants.md). The kernel tests (nft/tests, and the
+//! conntrack and guards kernel tests) check that the kernel takes what is sent.
+
+use splitproxy_proto::model::Model;
+use splitproxy_proto::v1::{
+    Chain, Element, Family, Ruleset, RulesetDelta, Set, SetElements, Table, TableRemoval, Update,
+    update::Body,
+};
+
+use super::kernel::{Kernel, Recording};
+use super::*;
+use crate::conntrack::tests::{endpoint, endpoints_map};
+use crate::guards::tests::{MEMBERS, affinity_map, member, members_set};
+
+const TABLE: &str = "splitproxy";
+const ENDPOINTS: &str = "service-endpoints";
+const UDP: u32 = 17;
+
+/// `n` UDP endpoints of 10.96.0.10:53, one per slot.
+fn endpoints(n: u32) -> Vec<Element> {
+    (0..n)
+        .map(|slot| {
+            let ep = format!("10.244.{}.{}", slot / 250, slot % 250 + 1);
+            endpoint("10.96.0.10", UDP, 53, slot, &ep, 5353)
+        })
+        .collect()
+}
+
+fn members() -> Vec<Element> {
+    vec![
+        member("10.96.0.10", UDP, 53, "10.244.0.1", 5353),
+        member("10.96.0.10", UDP, 53, "10.244.0.2", 5353),
+    ]
+}
+
+/// Table `ip splitproxy`: a chain, an endpoints map marked for conntrack cleanup with `n`
+/// elements, and a guarded map with its guard set.
+fn ruleset(n: u32) -> Ruleset {
+    Ruleset {
+        tables: vec![Table {
+            family: Family::Ip as i32,
+            name: TABLE.to_owned(),
+            comment: "managed by splitproxy".to_owned(),
+            chains: vec![Chain {
+                name: "services".to_owned(),
+                ..Chain::default()
+            }],
+            sets: vec![
+                endpoints_map(ENDPOINTS, false, endpoints(n)),
+                affinity_map(false),
+                members_set(false, members()),
+            ],
+        }],
+    }
+}
+
+fn snapshot(brain_epoch: u64, generation: u64, rs: &Ruleset) -> Update {
+    Update {
+        brain_epoch,
+        generation,
+        digest: Model::from_ruleset(rs).digest(),
+        body: Some(Body::Snapshot(rs.clone())),
+        ..Update::default()
+    }
+}
+
+/// The delta from what `a` applied to its next generation, with the digest it leads to.
+fn delta<K: Kernel>(a: &Applier<K>, d: RulesetDelta) -> Update {
+    let mut next = a.model().clone();
+    next.apply(&d);
+    Update {
+        brain_epoch: a.applied().brain_epoch,
+        base_generation: a.applied().generation,
+        generation: a.applied().generation + 1,
+        digest: next.digest(),
+        body: Some(Body::Delta(d)),
+        ..Update::default()
+    }
+}
+
+/// Removes elements of `set` from table `ip splitproxy`.
+fn remove(set: &str, elements: Vec<Element>) -> RulesetDelta {
+    RulesetDelta {
+        upsert: vec![],
+        remove: vec![TableRemoval {
+            family: Family::Ip as i32,
+            name: TABLE.to_owned(),
+            elements: vec![SetElements {
+                set: set.to_owned(),
+                elements,
+            }],
+            ..TableRemoval::default()
+        }],
+    }
+}
+
+/// Adds `elements` to `set` (its definition) in table `ip splitproxy`.
+fn add(set: Set, elements: Vec<Element>) -> RulesetDelta {
+    RulesetDelta {
+        upsert: vec![Table {
+            family: Family::Ip as i32,
+            name: TABLE.to_owned(),
+            comment: "managed by splitproxy".to_owned(),
+            sets: vec![Set { elements, ..set }],
+            ..Table::default()
+        }],
+        remove: vec![],
+    }
+}
+
+/// An applier that applied `ruleset(n)` as its first snapshot (epoch 1, generation 1).
+fn adopted(n: u32) -> Applier<Recording> {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    a.apply(&snapshot(1, 1, &ruleset(n))).unwrap();
+    a
+}
+
+/// Everything a refused update must leave as it was.
+fn state<K: Kernel>(a: &Applier<K>) -> (Model, Applied, bool) {
+    (a.model().clone(), a.applied().clone(), a.adopted)
+}
+
+fn stale(o: &Outcome) -> Vec<crate::conntrack::Stale> {
+    o.conntrack.iter().copied().collect()
+}
+
+#[test]
+fn the_first_snapshot_replaces_the_tables_in_one_batch() {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    let rs = ruleset(3);
+    let outcome = a.apply(&snapshot(4, 1, &rs)).unwrap();
+
+    let sent = a.kernel().committed();
+    assert_eq!(sent.len(), 1, "one transaction");
+    let m = &sent[0].messages;
+    // Whatever a previous run left goes in the same transaction that adds the new tables.
+    assert_eq!(m[0], "destroy table ip splitproxy");
+    assert_eq!(m[1], "destroy table ip6 splitproxy");
+    assert_eq!(m[2], "add table ip splitproxy");
+    assert!(m.contains(&"add chain services".to_owned()), "{m:?}");
+    for set in [ENDPOINTS, "affinity", MEMBERS] {
+        assert!(m.contains(&format!("add set {set}")), "{m:?}");
+    }
+    assert!(
+        m.contains(&format!(
+            "add elements to set {ENDPOINTS} (elements 0..=2 of the call)"
+        )),
+        "{m:?}"
+    );
+    assert_eq!(
+        a.applied(),
+        &Applied {
+            brain_epoch: 4,
+            generation: 1,
+            digest: Model::from_ruleset(&rs).digest(),
+        }
+    );
+    assert_eq!(a.model(), &Model::from_ruleset(&rs));
+    // No model to compare with: conntrack resyncs from the new one, no guard is judged.
+    assert!(outcome.conntrack.resyncs() && stale(&outcome).is_empty());
+    assert!(outcome.guards.is_empty());
+    assert_eq!(outcome.model, Model::from_ruleset(&rs));
+}
+
+#[test]
+fn a_later_snapshot_sends_only_the_difference() {
+    let mut a = adopted(3);
+    let mut rs = ruleset(3);
+    // Endpoint slot 1 leaves; a guard element leaves.
+    rs.tables[0].sets[0].elements.remove(1);
+    rs.tables[0].sets[2].elements.remove(0);
+    let outcome = a.apply(&snapshot(1, 2, &rs)).unwrap();
+
+    let sent = a.kernel().committed();
+    assert_eq!(sent.len(), 2);
+    let mut m = sent[1].messages.clone();
+    m.sort();
+    assert_eq!(
+        m,
+        vec![
+            format!("delete elements from set {MEMBERS} (elements 0..=0 of the call)"),
+            format!("delete elements from set {ENDPOINTS} (elements 0..=0 of the call)"),
+        ]
+    );
+    assert_eq!(a.model(), &Model::from_ruleset(&rs));
+    assert_eq!(a.applied().generation, 2);
+    assert!(!outcome.conntrack.resyncs());
+    assert_eq!(stale(&outcome).len(), 1, "{:?}", outcome.conntrack);
+    assert_eq!(outcome.guards.len(), 1);
+
+    // The same state again: nothing to send, and the generation still moves.
+    let outcome = a.apply(&snapshot(1, 3, &rs)).unwrap();
+    assert_eq!(
+        a.kernel().committed().len(),
+        2,
+        "an empty batch is not sent"
+    );
+    assert_eq!(a.applied().generation, 3);
+    assert!(outcome.conntrack.is_empty() && outcome.guards.is_empty());
+}
+
+#[test]
+fn a_one_element_delta_sends_one_small_message() {
+    let mut a = adopted(1000);
+    let first = a.kernel().committed()[0].clone();
+
+    let d = delta(
+        &a,
+        add(
+            members_set(false, vec![]),
+            vec![member("10.96.0.10", UDP, 53, "10.244.0.3", 5353)],
+        ),
+    );
+    a.apply(&d).unwrap();
+    let sent = a.kernel().last().unwrap();
+    assert_eq!(
+        sent.messages,
+        vec![format!(
+            "add elements to set {MEMBERS} (elements 0..=0 of the call)"
+        )]
+    );
+    assert!(
+        sent.bytes * 100 < first.bytes,
+        "{} bytes for one element, {} for the table",
+        sent.bytes,
+        first.bytes
+    );
+
+    let d = delta(&a, remove(ENDPOINTS, vec![endpoints(1000).remove(500)]));
+    let outcome = a.apply(&d).unwrap();
+    let sent = a.kernel().last().unwrap();
+    assert_eq!(
+        sent.messages,
+        vec![format!(
+            "delete elements from set {ENDPOINTS} (elements 0..=0 of the call)"
+        )]
+    );
+    assert!(sent.bytes * 100 < first.bytes);
+    assert_eq!(stale(&outcome).len(), 1);
+    assert_eq!(a.applied().generation, 3);
+    assert_eq!(a.model().element_count(), 1000 - 1 + 3);
+}
+
+#[test]
+fn a_refused_update_leaves_everything_as_it_was() {
+    let mut a = adopted(3);
+    let mut twin = adopted(3);
+    let before = state(&a);
+    let committed = a.kernel().committed().len();
+
+    // The kernel refuses the removal of endpoint 1 and guard element 0.
+    let mut refused = remove(ENDPOINTS, vec![endpoints(3).remove(1)]);
+    refused.remove[0].elements.push(SetElements {
+        set: MEMBERS.to_owned(),
+        elements: vec![members().remove(0)],
+    });
+    let d = delta(&a, refused);
+    a.kernel_mut().refuse_next(2, "No such file or directory");
+    let err = a.apply(&d).unwrap_err();
+    assert!(
+        matches!(err, ApplyError::Kernel(CommitError::Rejected { .. })),
+        "{err:?}"
+    );
+    assert_eq!(err.errno(), Some(2));
+    let failure = err.refused().unwrap();
+    assert!(
+        failure.description.starts_with("delete elements from set"),
+        "{failure:?}"
+    );
+    assert_eq!(
+        failure.kernel_message.as_deref(),
+        Some("No such file or directory")
+    );
+    assert_eq!(
+        state(&a),
+        before,
+        "model, applied version and adoption unchanged"
+    );
+    assert_eq!(a.kernel().committed().len(), committed);
+    assert_eq!(a.kernel().refused().len(), 1);
+
+    // The next update still applies on the same base, and what it leaves for after the
+    // commit is what it leaves on an applier that never saw the refused one.
+    let next = remove(ENDPOINTS, vec![endpoints(3).remove(2)]);
+    let mine = a.apply(&delta(&a, next.clone())).unwrap();
+    let theirs = twin.apply(&delta(&twin, next)).unwrap();
+    assert_eq!(stale(&mine), stale(&theirs));
+    assert_eq!(stale(&mine).len(), 1);
+    assert_eq!(mine.conntrack.resyncs(), theirs.conntrack.resyncs());
+    assert_eq!(mine.guards, theirs.guards);
+    assert!(
+        mine.guards.is_empty(),
+        "the refused guard removal is not carried over"
+    );
+    assert_eq!(mine.model, theirs.model);
+    assert_eq!(a.applied(), twin.applied());
+    assert_eq!(a.kernel().committed(), twin.kernel().committed());
+}
+
+#[test]
+fn a_refused_first_snapshot_is_adopted_again_by_the_next() {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    a.kernel_mut().refuse_next_at(1, 12, "");
+    let err = a.apply(&snapshot(1, 1, &ruleset(2))).unwrap_err();
+    let failure = err.refused().unwrap();
+    assert_eq!((failure.errno, failure.message), (12, Some(1)));
+    assert_eq!(failure.description, "destroy table ip6 splitproxy");
+    assert_eq!(failure.kernel_message, None);
+    assert_eq!(state(&a), (Model::default(), Applied::default(), false));
+
+    let outcome = a.apply(&snapshot(1, 2, &ruleset(2))).unwrap();
+    let m = &a.kernel().committed()[0].messages;
+    assert_eq!(
+        m[0], "destroy table ip splitproxy",
+        "still replaces what a previous run left"
+    );
+    assert!(outcome.conntrack.resyncs());
+}
+
+#[test]
+fn a_delta_on_another_generation_or_epoch_is_refused() {
+    let mut a = adopted(3);
+    let before = state(&a);
+    let good = delta(&a, remove(ENDPOINTS, vec![endpoints(3).remove(0)]));
+    for wrong in [
+        Update {
+            base_generation: 0,
+            ..good.clone()
+        },
+        Update {
+            base_generation: 2,
+            ..good.clone()
+        },
+        Update {
+            brain_epoch: 2,
+            ..good.clone()
+        },
+    ] {
+        let err = a.apply(&wrong).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ApplyError::WrongBase {
+                    applied: 1,
+                    applied_epoch: 1,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(state(&a), before);
+    }
+    assert_eq!(a.kernel().committed().len(), 1, "nothing sent");
+    a.apply(&good).unwrap();
+    assert_eq!(a.applied().generation, 2);
+}
+
+#[test]
+fn foreign_tables_are_refused_before_anything_is_sent() {
+    let renamed = |family: Family, name: &str| {
+        let mut rs = ruleset(1);
+        rs.tables[0].family = family as i32;
+        rs.tables[0].name = name.to_owned();
+        rs
+    };
+    // The first snapshot, and a later one.
+    for mut a in [Applier::new(Recording::new(), TABLE.to_owned()), adopted(1)] {
+        let before = state(&a);
+        let sent = a.kernel().committed().len();
+        for rs in [
+            renamed(Family::Ip, "kube-proxy"),
+            renamed(Family::Ip6, "other"),
+            renamed(Family::Inet, TABLE),
+        ] {
+            let err = a.apply(&snapshot(1, 2, &rs)).unwrap_err();
+            assert!(matches!(err, ApplyError::ForeignTable(..)), "{err:?}");
+            assert_eq!(state(&a), before);
+        }
+        assert_eq!(a.kernel().committed().len(), sent);
+    }
+
+    let mut a = adopted(1);
+    let before = state(&a);
+    let mut upsert = add(members_set(false, vec![]), members());
+    upsert.upsert[0].name = "nat".to_owned();
+    let mut removal = remove(ENDPOINTS, endpoints(1));
+    removal.remove[0].family = Family::Inet as i32;
+    for d in [upsert, removal] {
+        let err = a.apply(&delta(&a, d)).unwrap_err();
+        assert!(matches!(err, ApplyError::ForeignTable(..)), "{err:?}");
+        assert_eq!(state(&a), before);
+    }
+    assert_eq!(a.kernel().committed().len(), 1);
+}
+
+#[test]
+fn a_digest_mismatch_commits_nothing() {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    let wrong = Update {
+        digest: vec![0; 32],
+        ..snapshot(1, 1, &ruleset(2))
+    };
+    assert!(matches!(a.apply(&wrong), Err(ApplyError::Digest)));
+    assert!(a.kernel().committed().is_empty());
+    assert_eq!(state(&a), (Model::default(), Applied::default(), false));
+
+    let mut a = adopted(2);
+    let before = state(&a);
+    let d = Update {
+        digest: vec![0; 32],
+        ..delta(&a, remove(ENDPOINTS, endpoints(1)))
+    };
+    assert!(matches!(a.apply(&d), Err(ApplyError::Digest)));
+    assert_eq!(a.kernel().committed().len(), 1);
+    assert_eq!(state(&a), before);
+}
+
+#[test]
+fn an_object_the_kernel_cannot_be_told_about_sends_nothing() {
+    let mut a = adopted(1);
+    let before = state(&a);
+    // A set without a key type cannot be encoded.
+    let d = delta(
+        &a,
+        add(
+            Set {
+                name: "broken".to_owned(),
+                ..Set::default()
+            },
+            vec![],
+        ),
+    );
+    let err = a.apply(&d).unwrap_err();
+    assert!(matches!(err, ApplyError::Encode(_)), "{err:?}");
+    assert_eq!(err.errno(), None);
+    assert!(err.refused().is_none());
+    assert_eq!(state(&a), before);
+    assert_eq!(a.kernel().committed().len(), 1);
+    assert!(a.kernel().refused().is_empty());
+}
