@@ -37,6 +37,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use imbl::ordmap::DiffItem;
 use prost::Message;
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::model::{Model, SetModel, TableKey};
 use splitproxy_proto::v1::{ConntrackRole, Datum, Element, datum::Value};
 
@@ -218,7 +219,7 @@ impl Resync {
     pub fn of(model: &Model) -> Resync {
         let mut r = Resync::default();
         for (tkey, table) in model.tables.iter() {
-            let ipv6 = table_is_ipv6(tkey);
+            let family = table_family(tkey);
             for (name, set) in table.sets.iter() {
                 let role = ConntrackRole::try_from(set.def.conntrack).unwrap_or_default();
                 let is_node_ips = name == crate::healthcheck::NODEPORT_IPS;
@@ -229,10 +230,10 @@ impl Resync {
                     if is_node_ips {
                         r.node_addresses.extend(e.key.first().and_then(ip_of));
                     } else if role == ConntrackRole::Endpoints {
-                        if let Some((dst, ep)) = endpoint_of(&e, ipv6) {
+                        if let Some((dst, ep)) = endpoint_of(&e, family) {
                             r.destinations.entry(dst).or_default().insert(ep);
                         }
-                    } else if let Some((dst, _)) = udp_destination(&e.key, ipv6) {
+                    } else if let Some((dst, _)) = udp_destination(&e.key, family) {
                         r.destinations.entry(dst).or_default();
                     }
                 }
@@ -283,7 +284,7 @@ fn stale_of(
 ) -> Option<Stale> {
     match role {
         ConntrackRole::Endpoints => {
-            let (dst, ep) = endpoint_of(e, table_is_ipv6(tkey))?;
+            let (dst, ep) = endpoint_of(e, table_family(tkey))?;
             (!still_served(new, tkey, e, ep)).then_some(Stale {
                 dst,
                 via: Via::Endpoint(ep),
@@ -292,7 +293,7 @@ fn stale_of(
         // A destination still without endpoints (its element changed otherwise) keeps its
         // refusals.
         ConntrackRole::NoEndpoints if removed => Some(Stale {
-            dst: udp_destination(&e.key, table_is_ipv6(tkey))?.0,
+            dst: udp_destination(&e.key, table_family(tkey))?.0,
             via: Via::NotNat,
         }),
         ConntrackRole::NoEndpoints | ConntrackRole::None => None,
@@ -317,7 +318,7 @@ fn port_of(d: &Datum) -> Option<u16> {
 /// `addr . udp . port ...` as a socket address, or `udp . port ...` (a port on every local
 /// address, NodePorts) as the all-zeros address of the endpoint's family; with the number of
 /// key fields that name the destination. None for other protocols or shapes.
-fn udp_destination(key: &[Datum], ipv6: bool) -> Option<(SocketAddr, usize)> {
+fn udp_destination(key: &[Datum], family: IpFamily) -> Option<(SocketAddr, usize)> {
     let (addr, proto, port, fields) = match key {
         [
             proto @ Datum {
@@ -326,10 +327,9 @@ fn udp_destination(key: &[Datum], ipv6: bool) -> Option<(SocketAddr, usize)> {
             port,
             ..,
         ] => {
-            let any: IpAddr = if ipv6 {
-                Ipv6Addr::UNSPECIFIED.into()
-            } else {
-                Ipv4Addr::UNSPECIFIED.into()
+            let any: IpAddr = match family {
+                IpFamily::V4 => Ipv4Addr::UNSPECIFIED.into(),
+                IpFamily::V6 => Ipv6Addr::UNSPECIFIED.into(),
             };
             (any, proto, port, 2)
         }
@@ -342,13 +342,14 @@ fn udp_destination(key: &[Datum], ipv6: bool) -> Option<(SocketAddr, usize)> {
     Some((SocketAddr::new(addr, port_of(port)?), fields))
 }
 
-fn table_is_ipv6(tkey: &TableKey) -> bool {
-    tkey.0 == splitproxy_proto::v1::Family::Ip6
+/// The address family of a table's addresses (only `ip` and `ip6` tables are applied).
+fn table_family(tkey: &TableKey) -> IpFamily {
+    IpFamily::try_from(tkey.0).unwrap_or(IpFamily::V4)
 }
 
 /// The destination and endpoint of an endpoints-map element with a UDP key.
-fn endpoint_of(e: &Element, ipv6: bool) -> Option<(SocketAddr, SocketAddr)> {
-    let (dst, _) = udp_destination(&e.key, ipv6)?;
+fn endpoint_of(e: &Element, family: IpFamily) -> Option<(SocketAddr, SocketAddr)> {
+    let (dst, _) = udp_destination(&e.key, family)?;
     let [addr, port] = &e.data[..] else {
         return None;
     };
@@ -362,8 +363,8 @@ fn still_served(new: &Model, tkey: &TableKey, e: &Element, ep: SocketAddr) -> bo
     let Some(table) = new.tables.get(tkey) else {
         return false;
     };
-    let ipv6 = table_is_ipv6(tkey);
-    let Some((_, fields)) = udp_destination(&e.key, ipv6) else {
+    let family = table_family(tkey);
+    let Some((_, fields)) = udp_destination(&e.key, family) else {
         return false;
     };
     let Some(destination) = e.key.get(..fields) else {
@@ -380,7 +381,7 @@ fn still_served(new: &Model, tkey: &TableKey, e: &Element, ep: SocketAddr) -> bo
             .range(prefix.clone()..)
             .take_while(|(k, _)| k.starts_with(&prefix))
             .filter_map(|(_, v)| Element::decode(&v[..]).ok())
-            .any(|other| endpoint_of(&other, ipv6).is_some_and(|(_, to)| to == ep))
+            .any(|other| endpoint_of(&other, family).is_some_and(|(_, to)| to == ep))
     };
     table
         .sets

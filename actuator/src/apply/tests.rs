@@ -4,6 +4,7 @@
 //! "restart without disruption", docs/invariants.md). The kernel tests (nft/tests, and the
 //! conntrack and guards kernel tests) check that the kernel takes what is sent.
 
+use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{
     Chain, Element, Family, Ruleset, RulesetDelta, Set, SetElements, Table, TableRemoval, Update,
@@ -49,9 +50,9 @@ fn ruleset(n: u32) -> Ruleset {
                 ..Chain::default()
             }],
             sets: vec![
-                endpoints_map(ENDPOINTS, false, endpoints(n)),
-                affinity_map(false),
-                members_set(false, members()),
+                endpoints_map(ENDPOINTS, IpFamily::V4, endpoints(n)),
+                affinity_map(IpFamily::V4),
+                members_set(IpFamily::V4, members()),
             ],
         }],
     }
@@ -210,7 +211,7 @@ fn a_one_element_delta_sends_one_small_message() {
     let d = delta(
         &a,
         add(
-            members_set(false, vec![]),
+            members_set(IpFamily::V4, vec![]),
             vec![member("10.96.0.10", UDP, 53, "10.244.0.3", 5353)],
         ),
     );
@@ -384,7 +385,7 @@ fn foreign_tables_are_refused_before_anything_is_sent() {
 
     let mut a = adopted(1);
     let before = state(&a);
-    let mut upsert = add(members_set(false, vec![]), members());
+    let mut upsert = add(members_set(IpFamily::V4, vec![]), members());
     upsert.upsert[0].name = "nat".to_owned();
     let mut removal = remove(ENDPOINTS, endpoints(1));
     removal.remove[0].family = Family::Inet as i32;

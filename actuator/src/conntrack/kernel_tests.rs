@@ -7,6 +7,7 @@
 //! are refused, which leaves their conntrack entries in place); Service addresses
 //! 10.96.0.0/16 routed out of `ctv0`, where nothing answers. No packet leaves the namespace.
 
+use splitproxy_proto::family::IpFamily;
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::Duration;
 
@@ -74,8 +75,8 @@ fn ruleset(endpoints: Vec<Element>, idle: Vec<Element>) -> Ruleset {
             name: TABLE.to_owned(),
             comment: String::new(),
             sets: vec![
-                endpoints_map("service-endpoints", false, endpoints),
-                no_endpoints_set("no-endpoint-services", false, idle),
+                endpoints_map("service-endpoints", IpFamily::V4, endpoints),
+                no_endpoints_set("no-endpoint-services", IpFamily::V4, idle),
             ],
             chains: vec![Chain {
                 name: "nat-output".to_owned(),

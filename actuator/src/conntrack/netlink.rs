@@ -377,9 +377,10 @@ fn parse_entry(attrs: &[u8]) -> Option<Entry> {
 mod tests {
     use super::*;
     use crate::netlink::message::fixtures;
+    use splitproxy_proto::family::IpFamily;
 
-    fn entry(v6: bool) -> Entry {
-        let (c, s, e): (IpAddr, IpAddr, IpAddr) = if v6 {
+    fn entry(family: IpFamily) -> Entry {
+        let (c, s, e): (IpAddr, IpAddr, IpAddr) = if family == IpFamily::V6 {
             (
                 "fd00::1".parse().unwrap(),
                 "fd00:96::a".parse().unwrap(),
@@ -393,7 +394,7 @@ mod tests {
             )
         };
         Entry {
-            family: if v6 { AF_INET6 } else { AF_INET },
+            family: if family == IpFamily::V6 { AF_INET6 } else { AF_INET },
             orig: Tuple {
                 src: c,
                 dst: s,
@@ -424,8 +425,8 @@ mod tests {
 
     #[test]
     fn parses_dumped_entries_of_both_families() {
-        for v6 in [false, true] {
-            let e = entry(v6);
+        for family in IpFamily::ALL {
+            let e = entry(family);
             assert_eq!(parse_entry(&dumped(&e)), Some(e));
         }
         assert_eq!(parse_entry(&[]), None);
@@ -433,7 +434,7 @@ mod tests {
 
     #[test]
     fn delete_names_exactly_one_entry() {
-        let e = entry(false);
+        let e = entry(IpFamily::V4);
         let m = delete_request(9, &e);
         assert_eq!(
             u32::from_ne_bytes(m[0..4].try_into().unwrap()) as usize,
@@ -478,7 +479,7 @@ mod tests {
     fn parses_replies_acks_and_done() {
         let mut dgram = message(0, 2, 5, AF_INET, &{
             let mut a = NlaBuf::new();
-            a.extend_raw(&dumped(&entry(false)));
+            a.extend_raw(&dumped(&entry(IpFamily::V4)));
             a
         });
         dgram.extend(fixtures::error(6, -2, &[]));
@@ -487,7 +488,7 @@ mod tests {
         dgram.extend_from_slice(&fixtures::error(7, 0, &[])[..12]);
         let msgs = parse_messages(&dgram);
         assert_eq!(msgs.len(), 3);
-        assert!(matches!(&msgs[0], Msg::Data(5, a) if parse_entry(a) == Some(entry(false))));
+        assert!(matches!(&msgs[0], Msg::Data(5, a) if parse_entry(a) == Some(entry(IpFamily::V4))));
         assert_eq!(msgs[1], Msg::Error(6, 2));
         assert_eq!(msgs[2], Msg::Done(5));
     }

@@ -1,6 +1,7 @@
 //! What a commit leaves stale ([`Plan::between`]) and which entries that selects, on models
 //! built here; `kernel_tests.rs` runs the same against the kernel's conntrack table.
 
+use splitproxy_proto::family::IpFamily;
 use std::net::{IpAddr, SocketAddr};
 
 use splitproxy_proto::model::Model;
@@ -54,9 +55,12 @@ pub(crate) fn destination(dst: &str, proto: u32, port: u32) -> Element {
     }
 }
 
-pub(crate) fn endpoints_map(name: &str, v6: bool, elements: Vec<Element>) -> Set {
+pub(crate) fn endpoints_map(name: &str, family: IpFamily, elements: Vec<Element>) -> Set {
     use DataType::*;
-    let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
+    let ip = match family {
+        IpFamily::V4 => Ipv4Addr,
+        IpFamily::V6 => Ipv6Addr,
+    };
     Set {
         name: name.to_owned(),
         key: vec![
@@ -72,9 +76,12 @@ pub(crate) fn endpoints_map(name: &str, v6: bool, elements: Vec<Element>) -> Set
     }
 }
 
-pub(crate) fn no_endpoints_set(name: &str, v6: bool, elements: Vec<Element>) -> Set {
+pub(crate) fn no_endpoints_set(name: &str, family: IpFamily, elements: Vec<Element>) -> Set {
     use DataType::*;
-    let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
+    let ip = match family {
+        IpFamily::V4 => Ipv4Addr,
+        IpFamily::V6 => Ipv6Addr,
+    };
     Set {
         name: name.to_owned(),
         key: vec![ip as i32, InetProto as i32, InetService as i32],
@@ -123,7 +130,7 @@ fn removed_or_replaced_udp_endpoints_are_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps",
-            false,
+            IpFamily::V4,
             vec![
                 endpoint("10.96.0.10", UDP, 53, 0, "10.244.1.5", 5353),
                 endpoint("10.96.0.10", UDP, 53, 1, "10.244.2.6", 5353),
@@ -137,7 +144,7 @@ fn removed_or_replaced_udp_endpoints_are_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps",
-            false,
+            IpFamily::V4,
             vec![
                 // Slot 1 gone, slot 0 now goes to a new endpoint: 10.244.1.5 lost the Service,
                 // 10.244.2.6 too.
@@ -160,7 +167,7 @@ fn removed_or_replaced_udp_endpoints_are_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps",
-            false,
+            IpFamily::V4,
             vec![endpoint("10.96.0.11", UDP, 53, 0, "10.244.3.7", 53)],
         )],
     );
@@ -176,7 +183,7 @@ fn an_endpoint_still_serving_under_another_slot_is_not_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps",
-            false,
+            IpFamily::V4,
             vec![
                 endpoint("10.96.0.10", UDP, 53, 0, "10.244.1.5", 5353),
                 endpoint("10.96.0.10", UDP, 53, 1, "10.244.2.6", 5353),
@@ -188,7 +195,7 @@ fn an_endpoint_still_serving_under_another_slot_is_not_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps",
-            false,
+            IpFamily::V4,
             vec![
                 endpoint("10.96.0.10", UDP, 53, 0, "10.244.2.6", 5353),
                 endpoint("10.96.0.10", UDP, 53, 1, "10.244.3.3", 5353),
@@ -205,7 +212,7 @@ fn an_endpoint_still_serving_under_another_slot_is_not_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps",
-            false,
+            IpFamily::V4,
             vec![
                 endpoint("10.96.0.10", UDP, 53, 0, "10.244.2.6", 5353),
                 endpoint("10.96.0.10", UDP, 53, 1, "10.244.1.5", 5354),
@@ -222,7 +229,7 @@ fn an_endpoint_still_serving_under_another_slot_is_not_stale() {
         Family::Ip,
         vec![endpoints_map(
             "eps-2",
-            false,
+            IpFamily::V4,
             vec![
                 endpoint("10.96.0.10", UDP, 53, 0, "10.244.1.5", 5353),
                 endpoint("10.96.0.10", UDP, 53, 1, "10.244.2.6", 5353),
@@ -234,7 +241,12 @@ fn an_endpoint_still_serving_under_another_slot_is_not_stale() {
 
 #[test]
 fn destinations_that_got_endpoints_lose_their_unnatted_entries() {
-    let idle = |elements| model(Family::Ip6, vec![no_endpoints_set("none", true, elements)]);
+    let idle = |elements| {
+        model(
+            Family::Ip6,
+            vec![no_endpoints_set("none", IpFamily::V6, elements)],
+        )
+    };
     let old = idle(vec![
         destination("fd00:96::10", UDP, 53),
         destination("fd00:96::10", TCP, 80),
@@ -249,7 +261,7 @@ fn destinations_that_got_endpoints_lose_their_unnatted_entries() {
 #[test]
 fn sets_without_a_role_are_ignored() {
     let plain = |elements| {
-        let mut s = endpoints_map("eps", false, elements);
+        let mut s = endpoints_map("eps", IpFamily::V4, elements);
         s.conntrack = ConntrackRole::None as i32;
         model(Family::Ip, vec![s])
     };

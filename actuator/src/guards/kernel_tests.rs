@@ -6,6 +6,7 @@
 //! Addresses, all on the namespace's loopback: the client 10.0.0.1 and the destination
 //! 10.96.0.10, so the packet stays in the namespace.
 
+use splitproxy_proto::family::IpFamily;
 use std::net::UdpSocket;
 
 use serde_json::Value as Json;
@@ -167,7 +168,7 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
         let mut sock = NftSocket::open().unwrap();
         let mut batch = Batch::new();
         batch
-            .add_elements(Family::Ip, TABLE, &affinity_map(false), &added)
+            .add_elements(Family::Ip, TABLE, &affinity_map(IpFamily::V4), &added)
             .unwrap();
         sock.commit(&batch).unwrap();
         let stays = [

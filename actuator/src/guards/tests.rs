@@ -1,6 +1,7 @@
 //! Which guard elements a commit removes ([`Plan::between`]) and which dumped entries that
 //! selects, on models built here; `kernel_tests.rs` runs the same against a kernel map.
 
+use splitproxy_proto::family::IpFamily;
 use std::net::IpAddr;
 
 use splitproxy_proto::model::Model;
@@ -30,9 +31,12 @@ fn num(value: Value) -> Datum {
 }
 
 /// The guarded map: `client . destination . proto . port -> endpoint . port`.
-pub(crate) fn affinity_map(v6: bool) -> Set {
+pub(crate) fn affinity_map(family: IpFamily) -> Set {
     use DataType::*;
-    let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
+    let ip = match family {
+        IpFamily::V4 => Ipv4Addr,
+        IpFamily::V6 => Ipv6Addr,
+    };
     Set {
         name: AFFINITY.to_owned(),
         key: vec![ip as i32, ip as i32, InetProto as i32, InetService as i32],
@@ -45,9 +49,12 @@ pub(crate) fn affinity_map(v6: bool) -> Set {
 }
 
 /// The guard set: `destination . proto . port . endpoint . port`.
-pub(crate) fn members_set(v6: bool, elements: Vec<Element>) -> Set {
+pub(crate) fn members_set(family: IpFamily, elements: Vec<Element>) -> Set {
     use DataType::*;
-    let ip = if v6 { Ipv6Addr } else { Ipv4Addr };
+    let ip = match family {
+        IpFamily::V4 => Ipv4Addr,
+        IpFamily::V6 => Ipv6Addr,
+    };
     Set {
         name: MEMBERS.to_owned(),
         key: vec![
@@ -132,7 +139,10 @@ pub(crate) fn ruleset(members: Vec<Element>) -> Ruleset {
     Ruleset {
         tables: vec![table(
             Family::Ip,
-            vec![affinity_map(false), members_set(false, members)],
+            vec![
+                affinity_map(IpFamily::V4),
+                members_set(IpFamily::V4, members),
+            ],
         )],
     }
 }
@@ -217,7 +227,7 @@ fn a_removed_guard_selects_exactly_the_entries_it_vouched_for() {
 #[test]
 fn the_ir_entry_and_the_dumped_bytes_agree() {
     // The hand layout of `raw` is what the encoder sends for the same IR entry.
-    let map = affinity_map(false);
+    let map = affinity_map(IpFamily::V4);
     let layout = DataMapLayout::new(&map).unwrap();
     let e = entry("10.0.0.1", "10.96.0.10", UDP, 53, "10.0.0.2", 5353);
     let mut from_ir = Vec::new();
@@ -234,7 +244,10 @@ fn ipv6_entries_use_16_byte_addresses() {
     let old = Model::from_ruleset(&Ruleset {
         tables: vec![table(
             Family::Ip6,
-            vec![affinity_map(true), members_set(true, vec![guard.clone()])],
+            vec![
+                affinity_map(IpFamily::V6),
+                members_set(IpFamily::V6, vec![guard.clone()]),
+            ],
         )],
     });
     let new = without(&old, Family::Ip6, vec![guard]);
