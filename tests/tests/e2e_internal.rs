@@ -3,23 +3,26 @@
 //! answered, which source it saw, and whether a connection was refused or dropped.
 //! kube-proxy's nftables mode is the reference.
 //!
-//! Two labs, run in parallel, each a sequence of sections that apply their own Services:
-//! - [`ports_slices_conditions_ignored_and_dual_stack`] (2 nodes): named target ports over
-//!   TCP, UDP and SCTP; endpoints spread over three slices; ready / serving+terminating /
-//!   not-serving endpoints; refusals and drops; headless, ExternalName and other-proxy
-//!   Services; dual-stack and IPv6-only Services.
-//! - [`traffic_policy_topology_affinity_and_udp_conntrack`] (3 nodes in two zones):
-//!   internalTrafficPolicy Local, topology hints (zones, nodes, fallback), ClientIP session
-//!   affinity, and UDP flows that must follow endpoint changes (conntrack cleanup).
-//!
-//! [`topology_fallback_applies_as_a_delta_and_reports_in_sync`] (ignored until fixed) checks
-//! strictly the two faults the topology section runs into (see its documentation).
+//! What probes alone can check lives in lab scenarios, replayed by `e2e_lab_scenario`:
+//! `tests/lab/scenarios/clusterip-semantics` (named target ports over TCP and UDP; endpoints
+//! spread over three slices; ready / serving+terminating / not-serving endpoints; refusals and
+//! drops; headless, ExternalName and other-proxy Services; dual-stack and IPv6-only Services)
+//! and `tests/lab/scenarios/traffic-policy-and-topology` (internalTrafficPolicy Local, topology
+//! hints for zones and nodes, kube-proxy's fallbacks). Here, what needs more than probes:
+//! - [`clusterip_scenario_sctp_dnat_slots_and_ignored_services`] (the `clusterip-semantics`
+//!   lab): SCTP DNAT to named ports with raw INIT packets, one DNAT slot per distinct endpoint,
+//!   no rules for ignored Services (read from the nodes' rulesets).
+//! - [`session_affinity_and_udp_conntrack`] (3 nodes in two zones): ClientIP session affinity
+//!   as its endpoint goes, and UDP flows that must follow endpoint changes (conntrack cleanup).
+//! - [`topology_fallback_applies_as_a_delta_and_reports_in_sync`]: the change from per-node
+//!   topology choices to kube-proxy's fallback, applied as a delta and reported in sync.
 //!
 //! An answer is written `pod@ip:port`: the pod that answered and the endpoint address the
 //! connection arrived on, after DNAT.
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -27,17 +30,15 @@ use nix::sys::socket::{
     AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType, SockaddrIn, recv, sendto, socket,
 };
 use serde_json::{Value, json};
-use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{ListNodesRequest, NodeStatus};
 use splitproxy_tests::deploy::metric;
 use splitproxy_tests::lab::{Lab, LabOptions, NodeSpec, PodSpec};
+use splitproxy_tests::scenario::Scenario;
 use splitproxy_tests::{Netns, ProbeResult, Proto};
 
 const NS: &str = "internal";
-/// Per probe, when an answer or a refusal is expected.
+/// Per probe.
 const TIMEOUT: Duration = Duration::from_millis(1500);
-/// Per probe, when a drop is expected: nothing may come back in this long.
-const DROP_TIMEOUT: Duration = Duration::from_millis(1000);
 /// How long the rules may take to follow an object change once the brain reports every node
 /// in sync (they should already have).
 const SETTLE: Duration = Duration::from_secs(8);
@@ -73,15 +74,6 @@ fn to_yaml(objs: &[Value]) -> String {
         .join("\n---\n")
 }
 
-/// A selectorless Service: `labels` go to its metadata.
-fn service(name: &str, labels: Value, spec: Value) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "namespace": NS, "labels": labels},
-        "spec": spec,
-    })
-}
-
 /// Service ports (name, protocol, port), each targeting the named port of its own name.
 fn ports(list: &[(&str, &str, u16)]) -> Value {
     list.iter()
@@ -91,13 +83,17 @@ fn ports(list: &[(&str, &str, u16)]) -> Value {
         .collect()
 }
 
-/// A single-stack IPv4 ClusterIP Service; `extra` is merged into its spec.
+/// A selectorless single-stack IPv4 ClusterIP Service; `extra` is merged into its spec.
 fn cluster_ip(name: &str, ip: &str, p: &[(&str, &str, u16)], extra: Value) -> Value {
     let mut spec = json!({"clusterIP": ip, "clusterIPs": [ip], "ports": ports(p)});
     if let (Value::Object(s), Value::Object(e)) = (&mut spec, extra) {
         s.extend(e);
     }
-    service(name, json!({}), spec)
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": spec,
+    })
 }
 
 /// A ready endpoint: one address, on `node`, backed by pod `pod` (the lab creates the pod on
@@ -109,13 +105,6 @@ fn ep(ip: &str, node: &str, pod: &str) -> Value {
         "nodeName": node,
         "targetRef": {"kind": "Pod", "namespace": NS, "name": pod},
     })
-}
-
-/// [`ep`] with other conditions.
-fn ep_cond(ip: &str, node: &str, pod: &str, ready: bool, serving: bool, term: bool) -> Value {
-    let mut e = ep(ip, node, pod);
-    e["conditions"] = json!({"ready": ready, "serving": serving, "terminating": term});
-    e
 }
 
 /// [`ep`] in `zone`, with hints for these zones and nodes (empty lists are left out).
@@ -141,14 +130,8 @@ fn ep_hints(ip: &str, node: &str, pod: &str, zone: &str, zones: &[&str], nodes: 
     e
 }
 
-/// An EndpointSlice of Service `svc` with ports (name, protocol, port).
-fn slice(
-    name: &str,
-    svc: &str,
-    family: IpFamily,
-    p: &[(&str, &str, u16)],
-    eps: Vec<Value>,
-) -> Value {
+/// An IPv4 EndpointSlice of Service `svc` with ports (name, protocol, port).
+fn slice(name: &str, svc: &str, p: &[(&str, &str, u16)], eps: Vec<Value>) -> Value {
     let ports: Vec<Value> = p
         .iter()
         .map(|(n, proto, port)| json!({"name": n, "protocol": proto, "port": port}))
@@ -157,7 +140,7 @@ fn slice(
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": NS,
                      "labels": {"kubernetes.io/service-name": svc}},
-        "addressType": match family { IpFamily::V4 => "IPv4", IpFamily::V6 => "IPv6" },
+        "addressType": "IPv4",
         "ports": ports,
         "endpoints": eps,
     })
@@ -371,46 +354,6 @@ impl Req<'_> {
         }
     }
 
-    /// Refused, and at once: a reject, not a timeout. (UDP refusals are ICMP errors, which the
-    /// kernel rate-limits per client; keep them few.)
-    async fn refused(&self, what: &str) {
-        let start = Instant::now();
-        let r = self
-            .lab
-            .probe_n(self.from, self.proto, self.dst, 1, Duration::from_secs(3))
-            .await
-            .pop()
-            .expect("one probe");
-        let took = start.elapsed();
-        assert_eq!(
-            r,
-            ProbeResult::Refused,
-            "{what}: {} must be REFUSED, got {r}",
-            self.describe()
-        );
-        assert!(
-            took < Duration::from_millis(500),
-            "{what}: {} refused only after {took:?}, not at once",
-            self.describe()
-        );
-    }
-
-    /// Nothing comes back, twice: no answer, no refusal.
-    async fn dropped(&self, what: &str) {
-        for r in self
-            .lab
-            .probe_n(self.from, self.proto, self.dst, 2, DROP_TIMEOUT)
-            .await
-        {
-            assert_eq!(
-                r,
-                ProbeResult::TimedOut,
-                "{what}: {} must be DROPPED, got {r}",
-                self.describe()
-            );
-        }
-    }
-
     /// One datagram from source port `port`: every call with the same port is one UDP flow
     /// (one conntrack entry).
     async fn flow(&self, port: u16) -> ProbeResult {
@@ -544,103 +487,36 @@ fn kernel_has_sctp() -> bool {
 }
 
 // =============================================================================================
-// Lab 1: node-0 and node-1, a client pod on each.
+// Lab 1: the lab of scenario `clusterip-semantics`.
 
+/// The lab and objects of scenario `tests/lab/scenarios/clusterip-semantics`, whose probes
+/// (replayed by `e2e_lab_scenario`) check named ports, endpoints over three slices, endpoint
+/// conditions, refusals and drops, ignored Services and dual stack. Here what probes cannot
+/// show: SCTP DNAT to named ports, one DNAT slot per distinct endpoint, no rules at all for the
+/// ignored Services, and no update refused by a kernel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn ports_slices_conditions_ignored_and_dual_stack() {
-    let lab = lab_with(
-        vec![NodeSpec::new("node-0"), NodeSpec::new("node-1")],
-        &[("client-a", 0), ("client-b", 1)],
-    )
-    .await;
-    let started = Instant::now();
-    named_ports(&lab).await;
-    sctp_named_port(&lab).await;
-    endpoints_over_three_slices(&lab).await;
-    endpoint_conditions_refusals_and_drops(&lab).await;
-    ignored_services(&lab).await;
-    dual_stack(&lab).await;
-    assert_no_apply_errors(&lab, "lab 1");
-    eprintln!("lab 1: sections took {:?}", started.elapsed());
-}
-
-/// Section 1: A multi-port Service with named target ports. The two pods name different port
-/// numbers (as during a rolling update that moves a named port): each Service port reaches, on each
-/// endpoint, the port its slice gives that name. Wrong protocol or unknown port: refused.
-async fn named_ports(lab: &Lab) {
-    apply(
-        lab,
-        &[
-            cluster_ip(
-                "multi",
-                "10.96.20.10",
-                &[
-                    ("http", "TCP", 80),
-                    ("admin", "TCP", 81),
-                    ("dns", "UDP", 53),
-                    ("sctp", "SCTP", 9999),
-                ],
-                json!({}),
-            ),
-            slice(
-                "multi-1",
-                "multi",
-                IpFamily::V4,
-                &[
-                    ("http", "TCP", 8080),
-                    ("admin", "TCP", 9090),
-                    ("dns", "UDP", 5353),
-                    ("sctp", "SCTP", 7777),
-                ],
-                vec![ep("10.244.0.20", "node-0", "multi-a")],
-            ),
-            slice(
-                "multi-2",
-                "multi",
-                IpFamily::V4,
-                &[
-                    ("sctp", "SCTP", 7778),
-                    ("dns", "UDP", 5354),
-                    ("admin", "TCP", 9091),
-                    ("http", "TCP", 8081),
-                ],
-                vec![ep("10.244.1.20", "node-1", "multi-b")],
-            ),
-        ],
-    )
-    .await;
-    for client in ["client-a", "client-b"] {
-        tcp(lab, client, "10.96.20.10:80")
-            .exactly(
-                &["multi-a@10.244.0.20:8080", "multi-b@10.244.1.20:8081"],
-                "TCP 80 -> http",
-            )
-            .await;
-        tcp(lab, client, "10.96.20.10:81")
-            .exactly(
-                &["multi-a@10.244.0.20:9090", "multi-b@10.244.1.20:9091"],
-                "TCP 81 -> admin",
-            )
-            .await;
-        udp(lab, client, "10.96.20.10:53")
-            .exactly(
-                &["multi-a@10.244.0.20:5353", "multi-b@10.244.1.20:5354"],
-                "UDP 53 -> dns",
-            )
-            .await;
+async fn clusterip_scenario_sctp_dnat_slots_and_ignored_services() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("lab/scenarios/clusterip-semantics");
+    let scenario = Scenario::load(&dir).expect("scenario loads");
+    let opts = scenario.lab_options(LabOptions::new(exe())).unwrap();
+    let lab = Lab::start(opts).await.expect("lab starts");
+    lab.apply_scenario(&scenario)
+        .await
+        .expect("scenario applies");
+    if let Err(e) = wait_applied(&lab).await {
+        panic!(
+            "the nodes did not all apply the scenario: {e}\n{}",
+            logs(&lab)
+        );
     }
-    tcp(lab, "client-a", "10.96.20.10:8080")
-        .refused("a target port is no Service port")
-        .await;
-    udp(lab, "client-a", "10.96.20.10:80")
-        .refused("TCP port asked over UDP")
-        .await;
-    tcp(lab, "client-b", "10.96.20.10:53")
-        .refused("UDP port asked over TCP")
-        .await;
+    sctp_named_port(&lab).await;
+    one_dnat_slot_per_distinct_endpoint(&lab);
+    ignored_services_have_no_rules(&lab);
+    assert_no_apply_errors(&lab, "clusterip-semantics");
 }
 
-/// Section 1b: SCTP 9999 -> "sctp": 7777 on multi-a, 7778 on multi-b (Service of [`named_ports`]).
+/// SCTP 9999 -> "sctp": 7777 on multi-a, 7778 on multi-b, each slice listing its ports in another
+/// order (Service `multi` of the scenario's `10-named-ports.yaml`).
 async fn sctp_named_port(lab: &Lab) {
     let client = lab.pod("client-a").expect("client-a");
     if !kernel_has_sctp() {
@@ -696,56 +572,9 @@ async fn sctp_named_port(lab: &Lab) {
     );
 }
 
-/// Section 2: Four distinct endpoints over three slices, one of them (spread-b) in two slices:
-/// every one answers, nothing else does, and the duplicate has one slot, not two.
-async fn endpoints_over_three_slices(lab: &Lab) {
-    let http = [("http", "TCP", 8080)];
-    apply(
-        lab,
-        &[
-            cluster_ip("spread", "10.96.20.20", &[("http", "TCP", 80)], json!({})),
-            slice(
-                "spread-1",
-                "spread",
-                IpFamily::V4,
-                &http,
-                vec![
-                    ep("10.244.0.21", "node-0", "spread-a"),
-                    ep("10.244.1.21", "node-1", "spread-b"),
-                ],
-            ),
-            slice(
-                "spread-2",
-                "spread",
-                IpFamily::V4,
-                &http,
-                vec![
-                    ep("10.244.0.22", "node-0", "spread-c"),
-                    ep("10.244.1.21", "node-1", "spread-b"),
-                ],
-            ),
-            slice(
-                "spread-3",
-                "spread",
-                IpFamily::V4,
-                &http,
-                vec![ep("10.244.1.22", "node-1", "spread-d")],
-            ),
-        ],
-    )
-    .await;
-    let seen = tcp(lab, "client-a", "10.96.20.20:80")
-        .exactly(
-            &[
-                "spread-a@10.244.0.21:8080",
-                "spread-b@10.244.1.21:8080",
-                "spread-c@10.244.0.22:8080",
-                "spread-d@10.244.1.22:8080",
-            ],
-            "endpoints over three slices",
-        )
-        .await;
-    eprintln!("three slices, four endpoints: {seen:?}");
+/// Service `spread` has four distinct endpoints over three slices, one of them (spread-b) in two
+/// slices: the duplicate has one DNAT slot, not two.
+fn one_dnat_slot_per_distinct_endpoint(lab: &Lab) {
     for node in 0..2 {
         let rs = nft_ruleset(lab, node);
         let slots: Vec<&str> = rs
@@ -762,158 +591,10 @@ async fn endpoints_over_three_slices(lab: &Lab) {
     }
 }
 
-/// Section 3: Ready endpoints get new connections; with none ready, serving+terminating ones do;
-/// not-serving ones never do. Nothing usable: refused at once. Unknown port of an allocated
-/// ClusterIP: refused. Unallocated address of the service CIDR: dropped.
-async fn endpoint_conditions_refusals_and_drops(lab: &Lab) {
-    let svc_ports = [("http", "TCP", 80), ("dns", "UDP", 53)];
-    let slice_ports = [("http", "TCP", 8080), ("dns", "UDP", 5353)];
-    let cond = |ready: bool, terminating: bool| {
-        let mut eps = Vec::new();
-        if ready {
-            eps.push(ep("10.244.0.30", "node-0", "cond-ready"));
-        }
-        if terminating {
-            eps.push(ep_cond(
-                "10.244.1.30",
-                "node-1",
-                "cond-terminating",
-                false,
-                true,
-                true,
-            ));
-        }
-        // Never to get a new connection: terminating and not serving; plainly not ready.
-        eps.push(ep_cond(
-            "10.244.1.31",
-            "node-1",
-            "cond-not-serving",
-            false,
-            false,
-            true,
-        ));
-        eps.push(ep_cond(
-            "10.244.0.31",
-            "node-0",
-            "cond-not-ready",
-            false,
-            false,
-            false,
-        ));
-        slice("cond-1", "cond", IpFamily::V4, &slice_ports, eps)
-    };
-    apply(
-        lab,
-        &[
-            cluster_ip("cond", "10.96.20.30", &svc_ports, json!({})),
-            cond(true, true),
-            cluster_ip("empty", "10.96.20.31", &svc_ports, json!({})),
-        ],
-    )
-    .await;
-    let what = "ready endpoint, beside terminating and not-ready ones";
-    for client in ["client-a", "client-b"] {
-        tcp(lab, client, "10.96.20.30:80")
-            .only("cond-ready@10.244.0.30:8080", 20, what)
-            .await;
-        udp(lab, client, "10.96.20.30:53")
-            .only("cond-ready@10.244.0.30:5353", 10, what)
-            .await;
-    }
-
-    apply(lab, &[cond(false, true)]).await;
-    let what = "no ready endpoint: the serving+terminating one, never the not-serving ones";
-    tcp(lab, "client-a", "10.96.20.30:80")
-        .converge(10, what, |t| {
-            t.len() == 1 && t.keys().all(|k| k.starts_with("cond-terminating@"))
-        })
-        .await;
-    for client in ["client-a", "client-b"] {
-        tcp(lab, client, "10.96.20.30:80")
-            .only("cond-terminating@10.244.1.30:8080", 20, what)
-            .await;
-        udp(lab, client, "10.96.20.30:53")
-            .only("cond-terminating@10.244.1.30:5353", 10, what)
-            .await;
-    }
-
-    apply(lab, &[cond(false, false)]).await;
-    let what = "only not-serving and not-ready endpoints";
-    tcp(lab, "client-a", "10.96.20.30:80")
-        .converge(4, what, |t| t.keys().all(|k| k == "REFUSED"))
-        .await;
-    for client in ["client-a", "client-b"] {
-        tcp(lab, client, "10.96.20.30:80").refused(what).await;
-        udp(lab, client, "10.96.20.30:53").refused(what).await;
-    }
-    let what = "Service without any slice";
-    tcp(lab, "client-a", "10.96.20.31:80").refused(what).await;
-    udp(lab, "client-b", "10.96.20.31:53").refused(what).await;
-    let what = "unknown port of an allocated ClusterIP";
-    tcp(lab, "client-b", "10.96.20.30:8443").refused(what).await;
-    udp(lab, "client-a", "10.96.20.30:5353").refused(what).await;
-    let what = "unallocated address of the service CIDR";
-    tcp(lab, "client-a", "10.96.20.99:80").dropped(what).await;
-    udp(lab, "client-b", "10.96.20.99:53").dropped(what).await;
-}
-
-/// Section 7: Headless and ExternalName Services, and Services labelled for another proxy, get no
-/// rules: their endpoints (which exist and answer directly) appear in no node's table, and the
-/// other proxy's ClusterIP is, for us, an unallocated service address: dropped.
-async fn ignored_services(lab: &Lab) {
-    let http = [("http", "TCP", 8080)];
-    let web = ports(&[("http", "TCP", 80)]);
-    apply(
-        lab,
-        &[
-            service(
-                "headless",
-                json!({}),
-                json!({"clusterIP": "None", "ports": web}),
-            ),
-            slice(
-                "headless-1",
-                "headless",
-                IpFamily::V4,
-                &http,
-                vec![ep("10.244.0.40", "node-0", "headless-a")],
-            ),
-            service(
-                "external-name",
-                json!({}),
-                json!({"type": "ExternalName", "externalName": "db.example.com"}),
-            ),
-            slice(
-                "external-name-1",
-                "external-name",
-                IpFamily::V4,
-                &http,
-                vec![ep("10.244.0.41", "node-0", "external-name-a")],
-            ),
-            service(
-                "other-proxy",
-                json!({"service.kubernetes.io/service-proxy-name": "other"}),
-                json!({"clusterIP": "10.96.20.40", "clusterIPs": ["10.96.20.40"], "ports": web}),
-            ),
-            slice(
-                "other-proxy-1",
-                "other-proxy",
-                IpFamily::V4,
-                &http,
-                vec![ep("10.244.0.42", "node-0", "other-proxy-a")],
-            ),
-        ],
-    )
-    .await;
-    for (pod, ip) in [
-        ("headless-a", "10.244.0.40:8080"),
-        ("external-name-a", "10.244.0.41:8080"),
-        ("other-proxy-a", "10.244.0.42:8080"),
-    ] {
-        tcp(lab, "client-b", ip)
-            .only(&format!("{pod}@{ip}"), 1, "the pod itself answers")
-            .await;
-    }
+/// Headless and ExternalName Services, and Services labelled for another proxy, get no rules:
+/// their endpoints (which exist and answer directly) and the other proxy's ClusterIP appear in
+/// no node's table.
+fn ignored_services_have_no_rules(lab: &Lab) {
     for node in 0..2 {
         let rs = nft_ruleset(lab, node);
         assert!(
@@ -928,174 +609,15 @@ async fn ignored_services(lab: &Lab) {
             );
         }
     }
-    tcp(lab, "client-a", "10.96.20.40:80")
-        .dropped("ClusterIP of a Service for another proxy")
-        .await;
-}
-
-/// Section 8: Dual stack: RequireDualStack (IPv4 first), PreferDualStack (IPv6 first) and
-/// SingleStack IPv6 Services with IPv4 and IPv6 slices: each family's ClusterIP is answered by that
-/// family's endpoints, with the client's own address of that family as source.
-async fn dual_stack(lab: &Lab) {
-    let web_dns = [("http", "TCP", 80), ("dns", "UDP", 53)];
-    let slice_ports = [("http", "TCP", 8080), ("dns", "UDP", 5353)];
-    let http = [("http", "TCP", 8080)];
-    apply(
-        lab,
-        &[
-            service(
-                "dual",
-                json!({}),
-                json!({"ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv4", "IPv6"],
-                       "clusterIP": "10.96.20.50", "clusterIPs": ["10.96.20.50", "fd00:96::2050"],
-                       "ports": ports(&web_dns)}),
-            ),
-            slice(
-                "dual-v4",
-                "dual",
-                IpFamily::V4,
-                &slice_ports,
-                vec![
-                    ep("10.244.0.50", "node-0", "dual-a"),
-                    ep("10.244.1.50", "node-1", "dual-b"),
-                ],
-            ),
-            slice(
-                "dual-v6",
-                "dual",
-                IpFamily::V6,
-                &slice_ports,
-                vec![
-                    ep("fd00:244::50", "node-0", "dual-a"),
-                    ep("fd00:244:0:1::50", "node-1", "dual-b"),
-                ],
-            ),
-            service(
-                "prefer-dual",
-                json!({}),
-                json!({"ipFamilyPolicy": "PreferDualStack", "ipFamilies": ["IPv6", "IPv4"],
-                       "clusterIP": "fd00:96::2051", "clusterIPs": ["fd00:96::2051", "10.96.20.51"],
-                       "ports": ports(&[("http", "TCP", 80)])}),
-            ),
-            slice(
-                "prefer-dual-v6",
-                "prefer-dual",
-                IpFamily::V6,
-                &http,
-                vec![ep("fd00:244:0:1::51", "node-1", "prefer-b")],
-            ),
-            slice(
-                "prefer-dual-v4",
-                "prefer-dual",
-                IpFamily::V4,
-                &http,
-                vec![ep("10.244.0.51", "node-0", "prefer-a")],
-            ),
-            service(
-                "v6-only",
-                json!({}),
-                json!({"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"],
-                       "clusterIP": "fd00:96::2052", "clusterIPs": ["fd00:96::2052"],
-                       "ports": ports(&web_dns)}),
-            ),
-            slice(
-                "v6-only-1",
-                "v6-only",
-                IpFamily::V6,
-                &slice_ports,
-                vec![
-                    ep("fd00:244::52", "node-0", "v6-a"),
-                    ep("fd00:244:0:1::52", "node-1", "v6-b"),
-                ],
-            ),
-        ],
-    )
-    .await;
-    for client in ["client-a", "client-b"] {
-        let what = "RequireDualStack, IPv4 ClusterIP";
-        tcp(lab, client, "10.96.20.50:80")
-            .exactly(
-                &["dual-a@10.244.0.50:8080", "dual-b@10.244.1.50:8080"],
-                what,
-            )
-            .await;
-        udp(lab, client, "10.96.20.50:53")
-            .exactly(
-                &["dual-a@10.244.0.50:5353", "dual-b@10.244.1.50:5353"],
-                what,
-            )
-            .await;
-        let what = "RequireDualStack, IPv6 ClusterIP";
-        tcp(lab, client, "[fd00:96::2050]:80")
-            .exactly(
-                &[
-                    "dual-a@[fd00:244::50]:8080",
-                    "dual-b@[fd00:244:0:1::50]:8080",
-                ],
-                what,
-            )
-            .await;
-        udp(lab, client, "[fd00:96::2050]:53")
-            .exactly(
-                &[
-                    "dual-a@[fd00:244::50]:5353",
-                    "dual-b@[fd00:244:0:1::50]:5353",
-                ],
-                what,
-            )
-            .await;
-        tcp(lab, client, "[fd00:96::2051]:80")
-            .only(
-                "prefer-b@[fd00:244:0:1::51]:8080",
-                5,
-                "PreferDualStack, IPv6 primary",
-            )
-            .await;
-        tcp(lab, client, "10.96.20.51:80")
-            .only(
-                "prefer-a@10.244.0.51:8080",
-                5,
-                "PreferDualStack, IPv4 secondary",
-            )
-            .await;
-        let what = "SingleStack IPv6";
-        tcp(lab, client, "[fd00:96::2052]:80")
-            .exactly(
-                &["v6-a@[fd00:244::52]:8080", "v6-b@[fd00:244:0:1::52]:8080"],
-                what,
-            )
-            .await;
-        udp(lab, client, "[fd00:96::2052]:53")
-            .exactly(
-                &["v6-a@[fd00:244::52]:5353", "v6-b@[fd00:244:0:1::52]:5353"],
-                what,
-            )
-            .await;
-    }
-    let r = lab
-        .probe("client-b", Proto::Tcp, sa("[fd00:96::2052]:80"))
-        .await;
-    assert_eq!(
-        r.source().map(|s| s.ip()),
-        Some("fd00:244:0:1::200".parse().unwrap()),
-        "the endpoint sees the client's IPv6 address: {r}"
-    );
-    tcp(lab, "client-a", "[fd00:96::2052]:8443")
-        .refused("unknown port of an IPv6 ClusterIP")
-        .await;
-    udp(lab, "client-b", "[fd00:96::2050]:80")
-        .refused("TCP port of an IPv6 ClusterIP asked over UDP")
-        .await;
-    tcp(lab, "client-a", "[fd00:96::99]:80")
-        .dropped("unallocated address of the IPv6 service CIDR")
-        .await;
 }
 
 // =============================================================================================
-// Lab 2: node-0 in zone-a, node-1 and node-2 in zone-b; client-<i> on node-<i>.
+// Lab 2: node-0 in zone-a, node-1 and node-2 in zone-b; client-<i> on node-<i>. Steps and
+// timing: ClientIP affinity as endpoints go, UDP flows through conntrack. (internalTrafficPolicy
+// and topology are scenario `traffic-policy-and-topology`.)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn traffic_policy_topology_affinity_and_udp_conntrack() {
+async fn session_affinity_and_udp_conntrack() {
     let lab = lab_with(
         vec![
             NodeSpec::new("node-0").zone("zone-a"),
@@ -1106,53 +628,15 @@ async fn traffic_policy_topology_affinity_and_udp_conntrack() {
     )
     .await;
     let started = Instant::now();
-    internal_traffic_policy_local(&lab).await;
     session_affinity(&lab).await;
     udp_flow_follows_endpoint_removal(&lab).await;
     udp_flow_refused_then_answered(&lab).await;
-    assert_no_apply_errors(&lab, "lab 2 before topology");
-    // Last: the change from per-node topology choices back to one choice for all nodes is
-    // not applied as a delta by nodes whose choice changes (they recover through a snapshot
-    // about 2 s later); see topology_fallback_applies_as_a_delta_and_reports_in_sync.
-    topology_hints(&lab).await;
+    assert_no_apply_errors(&lab, "lab 2");
     eprintln!("lab 2: sections took {:?}", started.elapsed());
 }
 
-/// Section 4: internalTrafficPolicy Local, endpoints on node-0 and node-2: a pod reaches its own
-/// node's endpoint only; a pod on node-1, which has none, is dropped.
-async fn internal_traffic_policy_local(lab: &Lab) {
-    apply(
-        lab,
-        &[
-            cluster_ip(
-                "itp",
-                "10.96.21.10",
-                &[("http", "TCP", 80)],
-                json!({"internalTrafficPolicy": "Local"}),
-            ),
-            slice(
-                "itp-1",
-                "itp",
-                IpFamily::V4,
-                &[("http", "TCP", 8080)],
-                vec![
-                    ep("10.244.0.60", "node-0", "itp-0"),
-                    ep("10.244.2.60", "node-2", "itp-2"),
-                ],
-            ),
-        ],
-    )
-    .await;
-    tcp(lab, "client-0", "10.96.21.10:80")
-        .only("itp-0@10.244.0.60:8080", 20, "itp Local on node-0")
-        .await;
-    tcp(lab, "client-2", "10.96.21.10:80")
-        .only("itp-2@10.244.2.60:8080", 20, "itp Local on node-2")
-        .await;
-    tcp(lab, "client-1", "10.96.21.10:80")
-        .dropped("itp Local on node-1, which has no endpoint")
-        .await;
-}
+// ---------------------------------------------------------------------------------------------
+// Topology objects of the regression test below.
 
 /// Endpoint `<pod>-<i>` at 10.244.<i>.<octet> on node-<i>, in that node's zone (zone-a for
 /// node-0, zone-b otherwise), hinted for that zone (`zone`) and for that node (`node`).
@@ -1173,13 +657,7 @@ fn topo_slice(all_hinted: bool) -> Value {
         hinted("topo", 1, 61, true, false),
         hinted("topo", 2, 61, all_hinted, false),
     ];
-    slice(
-        "topo-1",
-        "topo",
-        IpFamily::V4,
-        &[("http", "TCP", 8080)],
-        eps,
-    )
+    slice("topo-1", "topo", &[("http", "TCP", 8080)], eps)
 }
 
 /// The slice of Service `near` (PreferSameNode): endpoints with node and zone hints on node-0,
@@ -1192,13 +670,7 @@ fn near_slice(on_node_2: bool) -> Value {
     if on_node_2 {
         eps.push(hinted("near", 2, 62, true, true));
     }
-    slice(
-        "near-1",
-        "near",
-        IpFamily::V4,
-        &[("http", "TCP", 8080)],
-        eps,
-    )
+    slice("near-1", "near", &[("http", "TCP", 8080)], eps)
 }
 
 /// Services `topo` (10.96.21.20, PreferClose) and `near` (10.96.21.21, PreferSameNode) with
@@ -1214,56 +686,7 @@ fn topology_objects() -> Vec<Value> {
     ]
 }
 
-/// Section 5: Topology. Zone hints (PreferClose) keep a zone's traffic in the zone; one endpoint
-/// without hints makes every node use every endpoint (kube-proxy's fallback). Node hints
-/// (PreferSameNode, with zone hints beside them) keep traffic on the node, where zone hints alone
-/// would not; a node no endpoint is hinted for falls back to its zone's hints.
-async fn topology_hints(lab: &Lab) {
-    apply(lab, &topology_objects()).await;
-    tcp(lab, "client-0", "10.96.21.20:80")
-        .only("topo-0@10.244.0.61:8080", 20, "zone hints, zone-a client")
-        .await;
-    for client in ["client-1", "client-2"] {
-        tcp(lab, client, "10.96.21.20:80")
-            .exactly(
-                &["topo-1@10.244.1.61:8080", "topo-2@10.244.2.61:8080"],
-                "zone hints, zone-b client",
-            )
-            .await;
-    }
-    for (i, client) in ["client-0", "client-1", "client-2"].iter().enumerate() {
-        tcp(lab, client, "10.96.21.21:80")
-            .only(
-                &format!("near-{i}@10.244.{i}.62:8080"),
-                20,
-                "node hints: the node's own endpoint (zone-b has two)",
-            )
-            .await;
-    }
-
-    apply(lab, &[topo_slice(false), near_slice(false)]).await;
-    let what = "one endpoint without hints: every endpoint, from every zone";
-    tcp(lab, "client-0", "10.96.21.20:80")
-        .converge(24, what, |t| t.len() == 3)
-        .await;
-    let all = [
-        "topo-0@10.244.0.61:8080",
-        "topo-1@10.244.1.61:8080",
-        "topo-2@10.244.2.61:8080",
-    ];
-    for client in ["client-0", "client-1", "client-2"] {
-        tcp(lab, client, "10.96.21.20:80").exactly(&all, what).await;
-    }
-    tcp(lab, "client-2", "10.96.21.21:80")
-        .only(
-            "near-1@10.244.1.62:8080",
-            20,
-            "node hints, none for node-2 any more: zone-b's hints",
-        )
-        .await;
-}
-
-/// Section 6: ClientIP session affinity (timeout 30 s): every new connection of a client goes to
+/// ClientIP session affinity (timeout 30 s): every new connection of a client goes to
 /// one endpoint, while the same endpoints without affinity spread; when that endpoint leaves the
 /// slice, the client moves to another one and sticks to it.
 async fn session_affinity(lab: &Lab) {
@@ -1280,7 +703,7 @@ async fn session_affinity(lab: &Lab) {
             .filter(|(ip, ..)| keep(ip))
             .map(|(ip, node, pod)| ep(ip, node, pod))
             .collect();
-        slice("aff-1", "aff", IpFamily::V4, &http, eps)
+        slice("aff-1", "aff", &http, eps)
     };
     let affinity = json!({"sessionAffinity": "ClientIP",
                           "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}}});
@@ -1293,7 +716,6 @@ async fn session_affinity(lab: &Lab) {
             slice(
                 "no-aff-1",
                 "no-aff",
-                IpFamily::V4,
                 &http,
                 eps.iter()
                     .map(|(ip, node, pod)| ep(ip, node, pod))
@@ -1340,7 +762,7 @@ async fn session_affinity(lab: &Lab) {
         .await;
 }
 
-/// Section 9a: A long-lived UDP flow (one source port) keeps its endpoint through its conntrack
+/// A long-lived UDP flow (one source port) keeps its endpoint through its conntrack
 /// entry on the client's node; when that endpoint leaves the slice (its pod still runs and would
 /// answer), the stale entry must be deleted, and the same flow is answered by the other endpoint
 /// within a few seconds.
@@ -1357,7 +779,7 @@ async fn udp_flow_follows_endpoint_removal(lab: &Lab) {
             .filter(|(ip, ..)| keep(ip))
             .map(|(ip, node, pod)| ep(ip, node, pod))
             .collect();
-        slice("udp-1", "udp", IpFamily::V4, &dns, eps)
+        slice("udp-1", "udp", &dns, eps)
     };
     apply(
         lab,
@@ -1414,7 +836,7 @@ async fn udp_flow_follows_endpoint_removal(lab: &Lab) {
     }
 }
 
-/// Section 9b: A UDP flow refused while its Service had no endpoints is answered, same source port,
+/// A UDP flow refused while its Service had no endpoints is answered, same source port,
 /// within a few seconds of the Service getting one.
 ///
 /// splitproxy rejects such a packet before conntrack confirms its entry, so the refusal itself
@@ -1430,7 +852,7 @@ async fn udp_flow_refused_then_answered(lab: &Lab) {
         lab,
         &[
             cluster_ip("udp-late", "10.96.21.41", &[("dns", "UDP", 53)], json!({})),
-            slice("udp-late-1", "udp-late", IpFamily::V4, &dns, vec![]),
+            slice("udp-late-1", "udp-late", &dns, vec![]),
         ],
     )
     .await;
@@ -1473,7 +895,6 @@ async fn udp_flow_refused_then_answered(lab: &Lab) {
         &[slice(
             "udp-late-1",
             "udp-late",
-            IpFamily::V4,
             &dns,
             vec![ep("10.244.0.65", "node-0", "udp-late-0")],
         )],

@@ -394,7 +394,11 @@ mod tests {
             )
         };
         Entry {
-            family: if family == IpFamily::V6 { AF_INET6 } else { AF_INET },
+            family: if family == IpFamily::V6 {
+                AF_INET6
+            } else {
+                AF_INET
+            },
             orig: Tuple {
                 src: c,
                 dst: s,
