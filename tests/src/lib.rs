@@ -1,6 +1,6 @@
 //! Shared test harness for splitproxy.
 //!
-//! The design handbook asks for real components instead of mocks: a real etcd and
+//! Tests use real components instead of mocks (docs/testing.md): a real etcd and
 //! kube-apiserver, real network namespaces with veths and routes, and real packets. This crate
 //! gives every test the same building blocks so that each end-to-end test only describes its
 //! scenario:
