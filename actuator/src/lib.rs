@@ -12,6 +12,5 @@ pub mod healthcheck;
 pub mod metrics;
 pub mod nft;
 pub mod run;
-pub mod virtual_fleet;
 
 pub use splitproxy_proto::process::init_logging;
