@@ -3,8 +3,8 @@
 //! machine. Benchmark code, not the production actuator's: it uses nothing of the actuator, only
 //! the protocol and the model from `splitproxy_proto`.
 //!
-//! [`nodes`] runs the streams, [`shared`] holds the models nodes at the same state share,
-//! [`envelope`] reads an update without decoding its bodies, and [`npl`] turns the fleet's
+//! [`nodes`] runs the streams, `shared` holds the models nodes at the same state share,
+//! `envelope` reads an update without decoding its bodies, and [`npl`] turns the fleet's
 //! samples into network-programming latencies. This module is the bench's only way to the
 //! fleet: it issues the nodes' certificates and runs the fleet on a runtime of its own.
 mod envelope;

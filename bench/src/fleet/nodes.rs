@@ -3,7 +3,7 @@
 //!
 //! Each virtual node has its own mTLS identity and stream, so the brain's fan-out is exercised
 //! exactly as with real nodes. What they share is the work a real node would repeat: the parts
-//! of an update every node at the same base receives are applied once ([`super::shared`]). So
+//! of an update every node at the same base receives are applied once (`shared.rs`). So
 //! one machine can play 5,000 nodes.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
