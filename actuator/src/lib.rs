@@ -13,6 +13,5 @@ pub mod metrics;
 pub(crate) mod netlink;
 pub mod nft;
 pub mod run;
-pub mod virtual_fleet;
 
 pub use splitproxy_proto::process::init_logging;

@@ -1,6 +1,8 @@
-//! Command line. The bench binary is also multi-call (`splitproxy-bench brain ...`,
-//! `splitproxy-bench actuator ...`), like the lab's, so that the harness can spawn the real brain
-//! and actuators from the binary that is running the benchmark, with no second build to find.
+//! Command line. Two benchmarks, one binary: without a subcommand the end-to-end benchmark
+//! ([`BenchArgs`]), `splitproxy-bench scale` the brain and kernel alone ([`ScaleArgs`]). The
+//! binary is also multi-call (`splitproxy-bench brain ...`, `splitproxy-bench actuator ...`),
+//! like the lab's, so that the harness can spawn the real brain and actuators from the binary
+//! that is running the benchmark, with no second build to find.
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,20 +12,26 @@ use anyhow::bail;
 #[command(
     name = "splitproxy-bench",
     version,
-    about = "Synthetic scale benchmark: splitproxy (brain, real actuators in node namespaces, a \
-             virtual fleet over real gRPC) side by side with kube-proxy against one real API server",
+    about = "splitproxy's scale benchmarks. Without a subcommand: end to end, splitproxy (brain, \
+             real actuators in node namespaces, a virtual fleet over real gRPC) side by side with \
+             kube-proxy against one real API server. `scale`: brain compute and kernel apply \
+             alone, without an API server",
     args_conflicts_with_subcommands = true
 )]
 pub struct Cli {
     #[command(flatten)]
     pub bench: BenchArgs,
     #[command(subcommand)]
-    pub component: Option<Component>,
+    pub command: Option<Command>,
 }
 
-/// The real components, run from this binary by the harness.
+/// The scale mode, and the real components run from this binary by the harness.
 #[derive(Debug, clap::Subcommand)]
-pub enum Component {
+pub enum Command {
+    /// Brain compute and kernel apply at scale, without an API server: full rebuild, every
+    /// node's overlay, single-Service changes, then a node's cold start, single-endpoint changes
+    /// and a Service added and deleted, applied in a private network namespace (run as root).
+    Scale(ScaleArgs),
     /// Run a brain (same as splitproxy-brain).
     #[command(hide = true)]
     Brain(splitproxy_brain::config::Args),
@@ -83,6 +91,57 @@ pub struct BenchArgs {
     pub report: PathBuf,
 }
 
+/// The scale mode's workload and how many changes it measures.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScaleArgs {
+    /// Services (ClusterIP, TCP).
+    #[arg(long, default_value_t = 10_000)]
+    pub services: usize,
+    /// Endpoints per Service.
+    #[arg(long, default_value_t = 10)]
+    pub endpoints: usize,
+    /// Node objects endpoints are spread over; 0: none, and no per-node overlays.
+    #[arg(long, default_value_t = 5_000)]
+    pub nodes: usize,
+    /// Single-Service changes timed in the brain.
+    #[arg(long, default_value_t = 100)]
+    pub service_changes: usize,
+    /// Single-endpoint changes applied to the kernel, for their distribution.
+    #[arg(long, default_value_t = 200)]
+    pub endpoint_changes: usize,
+}
+
+impl ScaleArgs {
+    /// Rejects workloads the address ranges cannot hold.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        validate_workload(self.services, self.endpoints)?;
+        if self.nodes > MAX_NODES {
+            bail!("--nodes above {MAX_NODES} do not fit 100.64.0.0/10");
+        }
+        if self.service_changes == 0 || self.endpoint_changes == 0 {
+            bail!("--service-changes and --endpoint-changes must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Node objects the workload can address (100.64.0.0/10).
+const MAX_NODES: usize = 1 << 22;
+
+/// The limits of the workload's address ranges (see [`crate::workload`]).
+fn validate_workload(services: usize, endpoints: usize) -> anyhow::Result<()> {
+    if services == 0 || endpoints == 0 {
+        bail!("--services and --endpoints must be positive");
+    }
+    if services > 400_000 {
+        bail!("--services above 400000 do not fit the Service CIDR used here");
+    }
+    if services * endpoints > 4_000_000 {
+        bail!("more than 4,000,000 endpoints do not fit 10.128.0.0/9 with room for churn");
+    }
+    Ok(())
+}
+
 impl BenchArgs {
     /// The number of virtual nodes, after defaults.
     pub fn virtual_count(&self) -> usize {
@@ -105,9 +164,7 @@ impl BenchArgs {
 
     /// Rejects combinations that cannot describe a cluster.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.services == 0 || self.endpoints == 0 {
-            bail!("--services and --endpoints must be positive");
-        }
+        validate_workload(self.services, self.endpoints)?;
         if self.real == 0 {
             bail!("--real must be at least 1: kernel apply times come from real actuators");
         }
@@ -127,11 +184,8 @@ impl BenchArgs {
                 self.virtual_count()
             );
         }
-        if self.services > 400_000 {
-            bail!("--services above 400000 do not fit the Service CIDR used here");
-        }
-        if self.services * self.endpoints > 4_000_000 {
-            bail!("more than 4,000,000 endpoints do not fit 10.128.0.0/9 with room for churn");
+        if self.nodes > MAX_NODES {
+            bail!("--nodes above {MAX_NODES} do not fit 100.64.0.0/10");
         }
         if !(self.churn_percent > 0.0 && self.churn_percent <= 100.0) {
             bail!("--churn-percent must be in (0, 100]");

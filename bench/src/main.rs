@@ -1,26 +1,30 @@
-//! `splitproxy-bench`: the scale benchmark (see the library's documentation), and the brain and
-//! actuator it spawns (`splitproxy-bench brain|actuator ...`).
-#![forbid(unsafe_code)]
+//! `splitproxy-bench`: the scale benchmarks (see the library's documentation): end to end by
+//! default, `splitproxy-bench scale` for the brain and kernel alone; and the brain and actuator
+//! the end-to-end benchmark spawns (`splitproxy-bench brain|actuator ...`).
+// The only unsafe code is the counting allocator below.
+#![deny(unsafe_code)]
 
 use clap::Parser;
-use splitproxy_bench::cli::{Cli, Component};
+use splitproxy_bench::cli::{Cli, Command};
+use splitproxy_bench::scale::heap;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    match cli.component {
-        Some(Component::Brain(args)) => {
+    match cli.command {
+        Some(Command::Scale(args)) => {
+            heap::start_counting();
+            splitproxy_bench::scale::run(&args)
+        }
+        Some(Command::Brain(args)) => {
             let config = splitproxy_brain::config::BrainConfig::try_from(args)?;
             splitproxy_brain::init_logging(&config.log_format);
-            runtime.block_on(splitproxy_brain::run::run(config))
+            runtime()?.block_on(splitproxy_brain::run::run(config))
         }
-        Some(Component::Actuator(args)) => {
+        Some(Command::Actuator(args)) => {
             splitproxy_actuator::init_logging(&args.log_format);
-            runtime.block_on(splitproxy_actuator::run::run(args.try_into()?))
+            runtime()?.block_on(splitproxy_actuator::run::run(args.try_into()?))
         }
-        None => runtime.block_on(async {
+        None => runtime()?.block_on(async {
             // On SIGINT or SIGTERM the run is dropped, which stops every component it started
             // and removes its namespaces.
             tokio::select! {
@@ -32,4 +36,57 @@ fn main() -> anyhow::Result<()> {
             }
         }),
     }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}
+
+/// The system allocator, telling [`heap`] what it allocates and frees, so that the scale mode
+/// reports live heap bytes, which RSS blurs with the pages the allocator retains. Counting is
+/// off (one relaxed load) except in the scale mode.
+#[allow(unsafe_code)]
+mod counting {
+    use std::alloc::{GlobalAlloc, Layout, System};
+
+    use splitproxy_bench::scale::heap;
+
+    pub struct Counting;
+
+    // SAFETY: every call is forwarded to the system allocator with the caller's arguments,
+    // which satisfy GlobalAlloc's contract; the counters are atomics and never allocate.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            heap::allocated(layout.size());
+            // SAFETY: forwarded unchanged (see above).
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            heap::allocated(layout.size());
+            // SAFETY: forwarded unchanged (see above).
+            unsafe { System.alloc_zeroed(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            heap::freed(layout.size());
+            // SAFETY: forwarded unchanged (see above).
+            unsafe { System.dealloc(ptr, layout) }
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            // SAFETY: forwarded unchanged (see above).
+            let p = unsafe { System.realloc(ptr, layout, new_size) };
+            if !p.is_null() {
+                heap::freed(layout.size());
+                heap::allocated(new_size);
+            }
+            p
+        }
+    }
+
+    #[global_allocator]
+    static ALLOC: Counting = Counting;
 }

@@ -1,5 +1,6 @@
 //! The synthetic cluster written into the API server: Node objects, ClusterIP Services and their
-//! EndpointSlices, and the changes the phases make to them.
+//! EndpointSlices, and the changes the phases make to them. The scale mode ([`crate::scale`])
+//! feeds the same objects straight into the brain's index, so both modes measure one workload.
 //!
 //! There is no controller-manager, so the bench plays the EndpointSlice controller: every slice
 //! it writes carries `endpoints.kubernetes.io/last-change-trigger-time`, stamped at write time,
@@ -274,6 +275,25 @@ fn slice_json(svc: &str, s: &SliceState, trigger: &str) -> serde_json::Value {
     })
 }
 
+/// The Node object of `n`, as the bench writes it.
+pub fn node_object(n: &NodeObject) -> Result<Node, serde_json::Error> {
+    serde_json::from_value(node_json(n))
+}
+
+/// The Service object of `s`, as the bench writes it.
+pub fn service_object(s: &ServiceState) -> Result<Service, serde_json::Error> {
+    serde_json::from_value(service_json(s))
+}
+
+/// Slice `s` of Service `svc`, stamped with `trigger` (see [`trigger_now`]).
+pub fn slice_object(
+    svc: &str,
+    s: &SliceState,
+    trigger: &str,
+) -> Result<EndpointSlice, serde_json::Error> {
+    serde_json::from_value(slice_json(svc, s, trigger))
+}
+
 /// Writes objects concurrently (bounded) through the admin client.
 #[derive(Clone)]
 pub struct Writer {
@@ -318,7 +338,7 @@ impl Writer {
             .try_for_each_concurrent(self.concurrency, |n| {
                 let (nodes, pp, done) = (&nodes, &pp, &done);
                 async move {
-                    let obj: Node = serde_json::from_value(node_json(n))?;
+                    let obj = node_object(n)?;
                     nodes
                         .create(pp, &obj)
                         .await
@@ -338,15 +358,14 @@ impl Writer {
             .try_for_each_concurrent(self.concurrency, |s| {
                 let (services, slices, pp, done) = (&services, &slices, &pp, &done);
                 async move {
-                    let obj: Service = serde_json::from_value(service_json(s))?;
+                    let obj = service_object(s)?;
                     services
                         .create(pp, &obj)
                         .await
                         .with_context(|| format!("creating Service {}", s.name))?;
                     for sl in &s.slices {
                         let (_, trigger) = trigger_now();
-                        let obj: EndpointSlice =
-                            serde_json::from_value(slice_json(&s.name, sl, &trigger))?;
+                        let obj = slice_object(&s.name, sl, &trigger)?;
                         slices
                             .create(pp, &obj)
                             .await
@@ -443,7 +462,7 @@ impl Writer {
 
     /// Creates a Service and its slices; returns the slices' trigger times.
     pub async fn create_service(&self, s: &ServiceState) -> anyhow::Result<Vec<SystemTime>> {
-        let obj: Service = serde_json::from_value(service_json(s))?;
+        let obj = service_object(s)?;
         self.services()
             .create(&PostParams::default(), &obj)
             .await
@@ -451,7 +470,7 @@ impl Writer {
         let mut times = Vec::new();
         for sl in &s.slices {
             let (t, trigger) = trigger_now();
-            let obj: EndpointSlice = serde_json::from_value(slice_json(&s.name, sl, &trigger))?;
+            let obj = slice_object(&s.name, sl, &trigger)?;
             self.slices()
                 .create(&PostParams::default(), &obj)
                 .await

@@ -4,10 +4,8 @@
 //! is timed.
 use std::time::{Duration, Instant};
 
-use splitproxy_actuator::virtual_fleet::FleetNode;
-
 use super::{BYTES_SENT, Bench, COMPUTE, FANOUT, SYNC, UPDATES_SENT};
-use crate::fleet::{Fleet, NplCollector};
+use crate::fleet::{Fleet, FleetNode, NplCollector};
 use crate::kubeproxy::{KpScrape, KubeProxy};
 use crate::results::{ColdStart, KubeProxyColdStart};
 use crate::rig::all_in_sync;

@@ -1,33 +1,32 @@
-//! Virtual nodes for scale benchmarks: thousands of real gRPC streams to a real brain, each
-//! acking like an actuator, applying into an in-memory model instead of a kernel.
+//! The virtual nodes' streams: thousands of real gRPC streams to a real brain, each acking like
+//! an actuator, applying into an in-memory model instead of a kernel.
 //!
 //! Each virtual node has its own mTLS identity and stream, so the brain's fan-out is exercised
-//! exactly as with real nodes. What they share is the work a real node would repeat. An update
-//! is the parts every node at the same base receives (identical bytes) followed by one part of
-//! the node's own; the shared parts are decoded and applied once, by the first node that needs
-//! them, into a model every node at that state shares, and each node keeps only its own part as
-//! a small overlay. So one machine can play 5,000 nodes.
+//! exactly as with real nodes. What they share is the work a real node would repeat: the parts
+//! of an update every node at the same base receives are applied once (`shared.rs`). So
+//! one machine can play 5,000 nodes.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use bytes::{Buf, BufMut, Bytes};
-use prost::Message;
-use prost::encoding::{DecodeContext, WireType};
-use splitproxy_proto::model::Model;
-use splitproxy_proto::v1::{self, Ack, Hello, Ruleset, RulesetDelta, SyncRequest, sync_request};
+use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, sync_request};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+use super::envelope::Envelope;
+use super::shared::{Held, SharedModels};
+
+/// One virtual node: its name and the client certificate that names it.
 pub struct FleetNode {
     pub name: String,
     pub cert_pem: Vec<u8>,
     pub key_pem: Vec<u8>,
 }
 
+/// Where the fleet connects and as whom.
 pub struct FleetConfig {
     /// "https://127.0.0.1:PORT"
     pub brain: String,
@@ -36,6 +35,7 @@ pub struct FleetConfig {
     pub nodes: Vec<FleetNode>,
 }
 
+/// The fleet at one moment.
 #[derive(Debug, Clone, Default)]
 pub struct FleetStatus {
     pub nodes: usize,
@@ -46,6 +46,7 @@ pub struct FleetStatus {
     pub digests: HashMap<Vec<u8>, usize>,
 }
 
+/// One applied update of one node: when, and which changes (trigger times) it carried.
 #[derive(Debug, Clone)]
 pub struct Sample {
     pub node: String,
@@ -55,6 +56,7 @@ pub struct Sample {
     pub decode_and_apply: Duration,
 }
 
+/// Every virtual node's stream and what they applied.
 pub struct VirtualFleet {
     nodes: usize,
     connected: AtomicUsize,
@@ -62,12 +64,7 @@ pub struct VirtualFleet {
     bytes: AtomicU64,
     applied: Mutex<HashMap<String, Vec<u8>>>,
     samples: Mutex<Vec<Sample>>,
-    /// Shared models by the base they were built on and the parts applied to it (see
-    /// [`shared_key`]), so an update's shared parts are decoded once for all nodes.
-    states: Mutex<HashMap<u64, Arc<Model>>>,
-    /// Shared models by digest: nodes that reached the same state from different bases (a slow
-    /// node gets a larger, coalesced delta) hold one model, not one each.
-    by_digest: Mutex<HashMap<Vec<u8>, Arc<Model>>>,
+    shared: SharedModels,
     stop: AtomicBool,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -82,8 +79,7 @@ impl VirtualFleet {
             bytes: AtomicU64::new(0),
             applied: Mutex::new(HashMap::new()),
             samples: Mutex::new(Vec::new()),
-            states: Mutex::new(HashMap::new()),
-            by_digest: Mutex::new(HashMap::new()),
+            shared: SharedModels::default(),
             stop: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
         });
@@ -187,7 +183,7 @@ impl VirtualFleet {
         let applied = held.as_ref().map(|h| v1::Applied {
             brain_epoch: h.epoch,
             generation: h.generation,
-            digest: h.model.digest_with(&h.overlay),
+            digest: h.digest(),
         });
         tx.send(SyncRequest {
             msg: Some(sync_request::Msg::Hello(Hello {
@@ -235,16 +231,11 @@ impl VirtualFleet {
     fn apply(&self, node: &str, env: Envelope, held: &mut Option<Held>) -> Ack {
         let start = Instant::now();
         self.bytes.fetch_add(env.wire_len as u64, Ordering::Relaxed);
-        let result = self.next_state(&env, held.as_ref());
+        let result = self.shared.next_state(&env, held.as_ref());
         let took = start.elapsed();
         match result {
-            Ok((model, overlay)) => {
-                *held = Some(Held {
-                    epoch: env.brain_epoch,
-                    generation: env.generation,
-                    model,
-                    overlay,
-                });
+            Ok(next) => {
+                *held = Some(next);
                 self.updates.fetch_add(1, Ordering::Relaxed);
                 if let Ok(mut a) = self.applied.lock() {
                     a.insert(node.to_string(), env.digest.clone());
@@ -279,194 +270,10 @@ impl VirtualFleet {
             }
         }
     }
-
-    /// The shared model after `env`'s shared parts (built once for every node at the same
-    /// base), and the node's own overlay after its last part.
-    fn next_state(
-        &self,
-        env: &Envelope,
-        held: Option<&Held>,
-    ) -> Result<(Arc<Model>, Arc<Model>), String> {
-        let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
-        if env.base_generation != 0 {
-            let h = held.ok_or("delta without a base")?;
-            if h.epoch != env.brain_epoch || h.generation != env.base_generation {
-                return Err(format!(
-                    "delta on generation {} but {} is held",
-                    env.base_generation, h.generation
-                ));
-            }
-        }
-        let base = held.filter(|_| env.base_generation != 0);
-        let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
-        let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
-        let model = match cached {
-            Some(m) => m,
-            None => {
-                let mut m = base.map(|h| (*h.model).clone()).unwrap_or_default();
-                for b in shared {
-                    apply_part(&mut m, env.snapshot, b)?;
-                }
-                let m = self.dedup(m);
-                if let Ok(mut s) = self.states.lock() {
-                    if s.len() > 64 {
-                        // Keep what some node holds: a model in both maps has two references
-                        // of theirs.
-                        s.retain(|_, m| Arc::strong_count(m) > 2);
-                        if let Ok(mut by) = self.by_digest.lock() {
-                            by.retain(|_, m| Arc::strong_count(m) > 1);
-                        }
-                    }
-                    s.insert(key, m.clone());
-                }
-                m
-            }
-        };
-        let mut overlay = base.map(|h| (*h.overlay).clone()).unwrap_or_default();
-        apply_part(&mut overlay, env.snapshot, own)?;
-        if model.digest_with(&overlay) != env.digest {
-            return Err("digest after applying differs from the brain's".into());
-        }
-        Ok((model, Arc::new(overlay)))
-    }
-}
-
-impl VirtualFleet {
-    /// The shared model with `m`'s content: an existing one if some node holds it.
-    fn dedup(&self, m: Model) -> Arc<Model> {
-        let Ok(mut by) = self.by_digest.lock() else {
-            return Arc::new(m);
-        };
-        let digest = m.digest();
-        if let Some(existing) = by.get(&digest) {
-            return existing.clone();
-        }
-        let m = Arc::new(m);
-        by.insert(digest, m.clone());
-        m
-    }
-}
-
-/// Identifies a shared model by the content of its base (its digest) and the bytes of the
-/// shared parts applied to it: every node at the same base gets the same bytes.
-///
-/// By content, not by the path that led there: nodes reach one state along different paths
-/// (a slow node gets coalesced deltas), and keying by path gave every path its own key, so
-/// after a while of churn each node rebuilt the whole shared model itself on every update and
-/// the fleet's CPU went up with nodes times Services.
-fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[Bytes]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    base.map(Model::digest).hash(&mut h);
-    snapshot.hash(&mut h);
-    for p in parts {
-        p.hash(&mut h);
-    }
-    h.finish()
-}
-
-/// Applies one encoded part (a snapshot part folds in as upserts).
-fn apply_part(model: &mut Model, snapshot: bool, bytes: &Bytes) -> Result<(), String> {
-    if snapshot {
-        let r = Ruleset::decode(bytes.clone()).map_err(|e| e.to_string())?;
-        model.apply(&RulesetDelta {
-            upsert: r.tables,
-            remove: Vec::new(),
-        });
-    } else {
-        let d = RulesetDelta::decode(bytes.clone()).map_err(|e| e.to_string())?;
-        model.apply(&d);
-    }
-    Ok(())
 }
 
 impl Drop for VirtualFleet {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-struct Held {
-    epoch: u64,
-    generation: u64,
-    model: Arc<Model>,
-    /// The node's own elements.
-    overlay: Arc<Model>,
-}
-
-/// An `Update` whose body stays encoded until someone needs it; the parts of a split update
-/// are absorbed into the first.
-#[derive(Debug, Clone, Default)]
-struct Envelope {
-    brain_epoch: u64,
-    generation: u64,
-    base_generation: u64,
-    snapshot: bool,
-    /// Encoded bodies of every part so far.
-    bodies: Vec<Bytes>,
-    trigger_times: Vec<SystemTime>,
-    digest: Vec<u8>,
-    more: bool,
-    wire_len: usize,
-}
-
-impl Envelope {
-    fn absorb(&mut self, next: Envelope) {
-        self.bodies.extend(next.bodies);
-        self.trigger_times.extend(next.trigger_times);
-        self.wire_len += next.wire_len;
-        self.digest = next.digest;
-        self.more = next.more;
-    }
-}
-
-impl Message for Envelope {
-    fn encode_raw(&self, _buf: &mut impl BufMut) {
-        // Only ever decoded.
-    }
-
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: WireType,
-        buf: &mut impl Buf,
-        ctx: DecodeContext,
-    ) -> Result<(), prost::DecodeError> {
-        use prost::encoding::{bytes, message, uint64};
-        let before = buf.remaining();
-        let r = match tag {
-            1 => uint64::merge(wire_type, &mut self.brain_epoch, buf, ctx),
-            2 => uint64::merge(wire_type, &mut self.generation, buf, ctx),
-            3 => uint64::merge(wire_type, &mut self.base_generation, buf, ctx),
-            4 | 5 => {
-                let mut b = Bytes::new();
-                bytes::merge(wire_type, &mut b, buf, ctx)?;
-                self.snapshot = tag == 4;
-                self.bodies.push(b);
-                Ok(())
-            }
-            6 => {
-                let mut t = prost_types::Timestamp::default();
-                message::merge(wire_type, &mut t, buf, ctx)?;
-                self.trigger_times.push(
-                    SystemTime::UNIX_EPOCH
-                        + Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32),
-                );
-                Ok(())
-            }
-            8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
-            9 => prost::encoding::bool::merge(wire_type, &mut self.more, buf, ctx),
-            _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
-        };
-        self.wire_len += before - buf.remaining();
-        r
-    }
-
-    fn encoded_len(&self) -> usize {
-        0
-    }
-
-    fn clear(&mut self) {
-        *self = Envelope::default();
     }
 }

@@ -1,16 +1,17 @@
 //! Virtual nodes (as the scale benchmark uses them) against a real brain: each one a real mTLS
 //! stream, all converging on the brain's state, with deltas after the first snapshot and
-//! trigger times carried to them.
+//! trigger times carried to them. The lab runs its brain and real actuators from the bench
+//! binary, which is multi-call like the lab's (`splitproxy-bench brain|actuator ...`).
 use std::time::{Duration, Instant};
 
-use splitproxy_actuator::virtual_fleet::{FleetConfig, FleetNode, VirtualFleet};
+use splitproxy_bench::fleet::{FleetConfig, FleetNode, VirtualFleet};
 use splitproxy_tests::deploy::metric;
 use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn virtual_nodes_converge_and_share_encoded_updates() {
-    let lab = Lab::start(LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab")))
+    let lab = Lab::start(LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-bench")))
         .await
         .expect("lab starts");
     lab.apply_yaml(&docs(&[

@@ -1,16 +1,24 @@
 //! The virtual nodes: one real mTLS gRPC stream per node to the real brain, applying into the
-//! actuator's in-memory model only (`splitproxy_actuator::virtual_fleet`), so that the brain's
-//! fan-out to thousands of nodes is exercised on one machine. This module is the only place that
-//! talks to the fleet; it turns its samples into network-programming latencies.
-use std::collections::HashMap;
+//! in-memory model only, so that the brain's fan-out to thousands of nodes is exercised on one
+//! machine. Benchmark code, not the production actuator's: it uses nothing of the actuator, only
+//! the protocol and the model from `splitproxy_proto`.
+//!
+//! [`nodes`] runs the streams, `shared` holds the models nodes at the same state share,
+//! `envelope` reads an update without decoding its bodies, and [`npl`] turns the fleet's
+//! samples into network-programming latencies. This module is the bench's only way to the
+//! fleet: it issues the nodes' certificates and runs the fleet on a runtime of its own.
+mod envelope;
+pub mod nodes;
+pub mod npl;
+mod shared;
+
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use anyhow::Context;
-use splitproxy_actuator::virtual_fleet::{FleetConfig, FleetNode, FleetStatus, VirtualFleet};
 use splitproxy_tests::certs::Pki;
 
-use crate::measure::stats::LatencyHist;
+pub use nodes::{FleetConfig, FleetNode, FleetStatus, Sample, VirtualFleet};
+pub use npl::NplCollector;
 
 /// Issues one client certificate per node (CN = node name) from the brain's client CA, on all
 /// cores: ECDSA key generation is the slow part at 5,000 nodes.
@@ -97,26 +105,7 @@ impl Fleet {
     /// Drains the samples recorded since the last call into `into`.
     pub fn drain(&self, into: &mut NplCollector) {
         for s in self.inner.take_samples() {
-            into.apply_seconds.record(s.decode_and_apply.as_secs_f64());
-            let mut counted = false;
-            for t in &s.trigger_times {
-                if *t < into.since {
-                    continue; // a change from before this phase
-                }
-                let latency = match s.applied_at.duration_since(*t) {
-                    Ok(d) => d.as_secs_f64(),
-                    Err(e) => -e.duration().as_secs_f64(),
-                };
-                into.npl.record(latency);
-                counted = true;
-            }
-            if counted {
-                if let Some(latest) = s.trigger_times.iter().max() {
-                    let e = into.latest.entry(s.node.clone()).or_insert(*latest);
-                    *e = (*e).max(*latest);
-                }
-                *into.per_node.entry(s.node).or_default() += 1;
-            }
+            into.record(s);
         }
     }
 }
@@ -134,34 +123,4 @@ impl Drop for Fleet {
 /// Every one of `size` nodes connected and holding some applied state.
 pub fn all_applied(st: &FleetStatus, size: usize) -> bool {
     st.connected >= size && st.digests.values().sum::<usize>() >= size
-}
-
-/// Network-programming latencies of one phase, from changes triggered at or after `since`.
-#[derive(Debug, Clone)]
-pub struct NplCollector {
-    pub since: SystemTime,
-    pub npl: LatencyHist,
-    /// Time to decode and apply one update into the in-memory model.
-    pub apply_seconds: LatencyHist,
-    /// Samples per node.
-    pub per_node: HashMap<String, u64>,
-    /// The newest trigger time each node has applied.
-    pub latest: HashMap<String, SystemTime>,
-}
-
-impl NplCollector {
-    pub fn new(since: SystemTime) -> NplCollector {
-        NplCollector {
-            since,
-            npl: LatencyHist::default(),
-            apply_seconds: LatencyHist::default(),
-            per_node: HashMap::new(),
-            latest: HashMap::new(),
-        }
-    }
-
-    /// How many nodes have applied a change triggered at or after `t`.
-    pub fn nodes_at(&self, t: SystemTime) -> usize {
-        self.latest.values().filter(|l| **l >= t).count()
-    }
 }

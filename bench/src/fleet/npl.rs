@@ -1,0 +1,62 @@
+//! Network-programming latency as the virtual nodes see it: from each change's trigger time to
+//! the moment a node applied the update carrying it.
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use super::Sample;
+use crate::measure::stats::LatencyHist;
+
+/// Network-programming latencies of one phase, from changes triggered at or after `since`.
+#[derive(Debug, Clone)]
+pub struct NplCollector {
+    pub since: SystemTime,
+    pub npl: LatencyHist,
+    /// Time to decode and apply one update into the in-memory model.
+    pub apply_seconds: LatencyHist,
+    /// Samples per node.
+    pub per_node: HashMap<String, u64>,
+    /// The newest trigger time each node has applied.
+    pub latest: HashMap<String, SystemTime>,
+}
+
+impl NplCollector {
+    pub fn new(since: SystemTime) -> NplCollector {
+        NplCollector {
+            since,
+            npl: LatencyHist::default(),
+            apply_seconds: LatencyHist::default(),
+            per_node: HashMap::new(),
+            latest: HashMap::new(),
+        }
+    }
+
+    /// Counts one node's applied update: its apply time, and a latency for each change it
+    /// carried that was triggered in this phase.
+    pub fn record(&mut self, s: Sample) {
+        self.apply_seconds.record(s.decode_and_apply.as_secs_f64());
+        let mut counted = false;
+        for t in &s.trigger_times {
+            if *t < self.since {
+                continue; // a change from before this phase
+            }
+            let latency = match s.applied_at.duration_since(*t) {
+                Ok(d) => d.as_secs_f64(),
+                Err(e) => -e.duration().as_secs_f64(),
+            };
+            self.npl.record(latency);
+            counted = true;
+        }
+        if counted {
+            if let Some(latest) = s.trigger_times.iter().max() {
+                let e = self.latest.entry(s.node.clone()).or_insert(*latest);
+                *e = (*e).max(*latest);
+            }
+            *self.per_node.entry(s.node).or_default() += 1;
+        }
+    }
+
+    /// How many nodes have applied a change triggered at or after `t`.
+    pub fn nodes_at(&self, t: SystemTime) -> usize {
+        self.latest.values().filter(|l| **l >= t).count()
+    }
+}
