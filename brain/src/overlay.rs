@@ -3,7 +3,7 @@
 //!
 //! A node's table is the shared model plus its overlay: the addresses its NodePorts answer on,
 //! its local endpoints of Local-policy Services, its topology choice, hairpin pairs for its
-//! endpoints, its health check counts. The overlay holds only elements, in sets the shared
+//! endpoints, its health check counts, the load balancer IPs it admits as sources. The overlay holds only elements, in sets the shared
 //! model defines, and never a key the shared model holds in the same set, so the node's digest
 //! is the sum of both and the shared part of every update stays encoded once for all nodes.
 //!
