@@ -46,8 +46,8 @@ pub struct Args {
     /// CA that signs client (actuator and operator) certificates (PEM).
     #[arg(long)]
     pub client_ca: PathBuf,
-    /// Service CIDRs: ClusterIPs outside them are skipped, unallocated addresses inside are
-    /// dropped. Repeatable or comma-separated. When unset, the brain follows the cluster's
+    /// Service CIDRs: unallocated addresses inside them are dropped (Services are served
+    /// whatever range their ClusterIPs come from). Repeatable or comma-separated. When unset, the brain follows the cluster's
     /// ServiceCIDR objects (networking.k8s.io/v1), as kube-proxy's nftables mode does.
     #[arg(long = "service-cidr", value_delimiter = ',')]
     pub service_cidrs: Vec<ipnet::IpNet>,

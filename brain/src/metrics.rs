@@ -213,8 +213,8 @@ mod tests {
     #[test]
     fn invalid_objects_render_by_kind_and_reason() {
         let m = Metrics::default();
-        m.invalid(InvalidReason::ClusterIpOutsideServiceCidr);
-        m.invalid(InvalidReason::ClusterIpOutsideServiceCidr);
+        m.invalid(InvalidReason::ClusterIpUnparsable);
+        m.invalid(InvalidReason::ClusterIpUnparsable);
         m.invalid(InvalidReason::NoMatchingServicePort);
         assert_eq!(m.invalid_total(), 3);
         let text = m.render(0);
@@ -226,7 +226,7 @@ mod tests {
             lines,
             [
                 "splitproxy_brain_invalid_objects_total{kind=\"EndpointSlice\",reason=\"no_matching_service_port\"} 1",
-                "splitproxy_brain_invalid_objects_total{kind=\"Service\",reason=\"cluster_ip_outside_service_cidr\"} 2",
+                "splitproxy_brain_invalid_objects_total{kind=\"Service\",reason=\"cluster_ip_unparsable\"} 2",
             ]
         );
     }

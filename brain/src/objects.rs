@@ -44,8 +44,6 @@ impl std::fmt::Display for ObjectKind {
 /// and the end-to-end tests read them): a variant may be added, a label never changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum InvalidReason {
-    /// A clusterIP outside the configured service CIDRs.
-    ClusterIpOutsideServiceCidr,
     /// A clusterIP that is not an address.
     ClusterIpUnparsable,
     /// A Service port whose protocol is not TCP, UDP or SCTP.
@@ -67,8 +65,7 @@ pub enum InvalidReason {
 }
 
 impl InvalidReason {
-    pub const ALL: [InvalidReason; 10] = [
-        InvalidReason::ClusterIpOutsideServiceCidr,
+    pub const ALL: [InvalidReason; 9] = [
         InvalidReason::ClusterIpUnparsable,
         InvalidReason::ProtocolUnknown,
         InvalidReason::PortOutOfRange,
@@ -83,7 +80,6 @@ impl InvalidReason {
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
-            InvalidReason::ClusterIpOutsideServiceCidr => "cluster_ip_outside_service_cidr",
             InvalidReason::ClusterIpUnparsable => "cluster_ip_unparsable",
             InvalidReason::ProtocolUnknown => "protocol_unknown",
             InvalidReason::PortOutOfRange => "port_out_of_range",
@@ -99,8 +95,7 @@ impl InvalidReason {
     /// The kind of object this reason skips.
     pub fn kind(self) -> ObjectKind {
         match self {
-            InvalidReason::ClusterIpOutsideServiceCidr
-            | InvalidReason::ClusterIpUnparsable
+            InvalidReason::ClusterIpUnparsable
             | InvalidReason::ProtocolUnknown
             | InvalidReason::PortOutOfRange
             | InvalidReason::ExternalIpInvalid
@@ -192,7 +187,8 @@ pub struct ServiceInfo {
     /// `status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones (the load balancer
     /// proxies those itself, so kube-proxy leaves them alone).
     pub load_balancer_ips: Vec<IpAddr>,
-    /// `spec.loadBalancerSourceRanges`: when set, only these clients may use the LB IPs.
+    /// `spec.loadBalancerSourceRanges`, without the ranges another one contains: when set,
+    /// only these clients may use the LB IPs of their family.
     pub source_ranges: Vec<ipnet::IpNet>,
     /// `externalTrafficPolicy: Local` on a Service reachable from outside (NodePort,
     /// LoadBalancer or externalIPs).
@@ -265,25 +261,24 @@ pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-
 /// kube-proxy's default session affinity timeout (3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
-/// What the brain needs to reduce Services.
+/// What the brain needs to reduce Services. The service CIDRs are not part of it: like
+/// kube-proxy, the brain serves a Service whatever range its ClusterIP came from (a cluster
+/// grows its ranges with ServiceCIDR objects the brain may not follow, for example with
+/// `--service-cidr`); the ranges only say which unallocated addresses to drop
+/// ([`crate::rules::chains`]).
 #[derive(Debug, Clone, Default)]
 pub struct ServiceFilter {
-    /// ClusterIPs outside these (when any) are skipped.
-    pub service_cidrs: Vec<ipnet::IpNet>,
     /// `--service-proxy-name`: Services labelled for another proxy are not ours.
     pub proxy_name: String,
 }
 
 /// Reduces a Service; `None` for Services that get no rules or are invalid.
-/// ClusterIPs outside `service_cidrs` (when any are configured) are skipped: an address the
-/// dataplane does not consider a Service address must not be captured by Service rules.
 pub fn service(
     svc: &Service,
     filter: &ServiceFilter,
     metrics: &Metrics,
 ) -> Option<Arc<ServiceInfo>> {
     let key = ObjectKey::of(svc);
-    let service_cidrs = &filter.service_cidrs;
     // Like kube-proxy: a Service labelled for another proxy is that proxy's; with a name set,
     // only Services labelled with it are ours.
     let proxy = svc
@@ -308,14 +303,7 @@ pub fn service(
     let mut cluster_ips = Vec::new();
     for raw in raw_ips {
         match raw.parse::<IpAddr>() {
-            Ok(ip) if service_cidrs.is_empty() || service_cidrs.iter().any(|n| n.contains(&ip)) => {
-                cluster_ips.push(ip)
-            }
-            Ok(ip) => {
-                metrics.invalid(InvalidReason::ClusterIpOutsideServiceCidr);
-                tracing::warn!(service = %key, cluster_ip = %ip, ?service_cidrs,
-                    "skipping clusterIP outside the configured service CIDRs");
-            }
+            Ok(ip) => cluster_ips.push(ip),
             Err(_) => {
                 metrics.invalid(InvalidReason::ClusterIpUnparsable);
                 tracing::warn!(service = %key, cluster_ip = %raw, "skipping unparsable clusterIP");
@@ -395,6 +383,7 @@ pub fn service(
             }
         }
     }
+    let source_ranges = outermost(source_ranges);
     let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
         spec.session_affinity_config
             .as_ref()
@@ -425,6 +414,19 @@ pub fn service(
             .filter(|p| *p != 0);
     }
     Some(Arc::new(info))
+}
+
+/// The prefixes of `nets` that no other prefix of `nets` contains, sorted, each once. Two
+/// prefixes are either nested or disjoint, so these cover exactly what `nets` covers; and the
+/// kernel refuses an interval element that begins inside another of the same set (the
+/// `firewall-allow` set holds a Service's ranges as intervals), so nested ranges must not
+/// reach it.
+pub fn outermost(mut nets: Vec<ipnet::IpNet>) -> Vec<ipnet::IpNet> {
+    nets.sort();
+    nets.dedup();
+    let all = nets.clone();
+    nets.retain(|n| !all.iter().any(|o| o != n && o.contains(n)));
+    nets
 }
 
 /// Is `ip` an address a packet may be forwarded to? kube-proxy's dataplane cannot DNAT to
@@ -582,7 +584,6 @@ mod tests {
         assert_eq!(
             labels,
             [
-                ("Service", "cluster_ip_outside_service_cidr"),
                 ("Service", "cluster_ip_unparsable"),
                 ("Service", "protocol_unknown"),
                 ("Service", "port_out_of_range"),
@@ -598,5 +599,23 @@ mod tests {
             assert_eq!(r.to_string(), r.as_str());
         }
         assert_eq!(ObjectKind::EndpointSlice.to_string(), "EndpointSlice");
+    }
+
+    #[test]
+    fn nested_source_ranges_keep_the_outer_one() {
+        let nets =
+            |v: &[&str]| -> Vec<ipnet::IpNet> { v.iter().map(|n| n.parse().unwrap()).collect() };
+        assert_eq!(
+            outermost(nets(&[
+                "10.1.0.0/16",
+                "192.0.2.0/24",
+                "10.0.0.0/8",
+                "10.1.2.3/32",
+                "192.0.2.0/24",
+                "2001:db8::/32",
+                "2001:db8:1::/48",
+            ])),
+            nets(&["10.0.0.0/8", "192.0.2.0/24", "2001:db8::/32"])
+        );
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! A node's table is the shared model plus its overlay: the addresses its NodePorts answer on,
 //! its local endpoints of Local-policy Services, its topology choice, hairpin pairs for its
-//! endpoints, its health check counts. The overlay holds only elements, in sets the shared
+//! endpoints, its health check counts, the load balancer IPs it admits as sources. The overlay holds only elements, in sets the shared
 //! model defines, and never a key the shared model holds in the same set, so the node's digest
 //! is the sum of both and the shared part of every update stays encoded once for all nodes.
 //!
@@ -175,7 +175,8 @@ pub struct Overlays {
     /// appearing later gets its shares.
     by_node_name: HashMap<String, HashSet<ObjectKey>>,
     node_names_of: HashMap<ObjectKey, HashSet<String>>,
-    /// Services every node holds a share of (topology hints).
+    /// Services any node may hold a share of, recomputed when a Node changes (topology hints,
+    /// source ranges judged on the node's addresses).
     everywhere: HashSet<ObjectKey>,
     /// The shared model's layout these overlays were computed against.
     layout: u64,
@@ -332,14 +333,17 @@ impl Overlays {
             if !names.is_empty() {
                 self.node_names_of.insert(key.clone(), names);
             }
-            let new_nodes: BTreeSet<String> = match &eps {
-                Some(e) => contribution::nodes_of(index, e)
+            let new_nodes: BTreeSet<String> = match (svc, &eps) {
+                (Some(s), Some(e)) => contribution::nodes_of(index, s, e)
                     .into_iter()
                     .map(str::to_string)
                     .collect(),
-                None => BTreeSet::new(),
+                _ => BTreeSet::new(),
             };
-            if eps.as_ref().is_some_and(|e| e.topology_dependent()) {
+            // Topology hints, and source ranges judged on each node's addresses.
+            if eps.as_ref().is_some_and(|e| e.topology_dependent())
+                || svc.is_some_and(|s| contribution::depends_on_node_addresses(s))
+            {
                 self.everywhere.insert(key.clone());
             } else {
                 self.everywhere.remove(key);

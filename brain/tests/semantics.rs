@@ -71,7 +71,6 @@ impl Cluster {
     fn service(&mut self, v: Value) {
         let svc: Service = serde_json::from_value(v).expect("test Service");
         let filter = ServiceFilter {
-            service_cidrs: self.config.service_cidrs.clone(),
             proxy_name: self.config.service_proxy_name.clone(),
         };
         let info = objects::service(&svc, &filter, &self.metrics);
@@ -377,6 +376,130 @@ fn load_balancer_source_ranges_and_no_node_ports() {
     golden("lb-source-ranges", "node-a", &s);
 }
 
+/// kube-proxy's `allowFromNode`: when a source range holds the node's IP, the Service's load
+/// balancer IPs are admitted as sources too (a VIP-style load balancer makes the VIP a local
+/// address of its backends, so a node's request to it loops back from the VIP; some clouds SNAT
+/// a node's own traffic to it). The node's IP decides, so only that node's overlay holds them.
+#[test]
+fn load_balancer_ips_are_sources_where_a_range_holds_the_node() {
+    let mut c = Cluster::new();
+    c.service(svc(
+        "snat",
+        "LoadBalancer",
+        "10.96.0.32",
+        &[(443, 0)],
+        json!({
+            "allocateLoadBalancerNodePorts": false,
+            // node-a's InternalIP, and nested ranges (the inner one is covered by the outer).
+            "loadBalancerSourceRanges": ["192.168.77.1/32", "10.0.0.0/8", "10.1.0.0/16"],
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.21"}, {"ip": "198.51.100.22"}]}},
+        }),
+    ));
+    c.slice(slice("snat-1", "snat", &[ready("10.244.2.9", "node-b")]));
+    let a = contents(&c.node("node-a"));
+    let b = contents(&c.node("node-b"));
+    for vip in ["198.51.100.21", "198.51.100.22"] {
+        for source in ["198.51.100.21", "198.51.100.22"] {
+            let e = format!("{vip} . tcp . 443 . {source}");
+            assert!(has(&a, "firewall-allow", &e), "node-a admits {e}: {a:?}");
+            assert!(!has(&b, "firewall-allow", &e), "node-b does not: {b:?}");
+        }
+        for s in [&a, &b] {
+            assert!(has(s, "firewall-ips", &format!("{vip} . tcp . 443")));
+            assert!(has(
+                s,
+                "firewall-allow",
+                &format!("{vip} . tcp . 443 . 192.168.77.1")
+            ));
+            assert!(has(
+                s,
+                "firewall-allow",
+                &format!("{vip} . tcp . 443 . 10.0.0.0/8")
+            ));
+            assert!(
+                !has(
+                    s,
+                    "firewall-allow",
+                    &format!("{vip} . tcp . 443 . 10.1.0.0/16")
+                ),
+                "a range inside another never reaches the interval set"
+            );
+        }
+    }
+    golden("lb-source-ranges-node-ip", "node-a", &a);
+    golden("lb-source-ranges-node-ip", "node-b", &b);
+
+    // The Node's address decides, live: node-a moves out of the ranges, node-b into them.
+    for (name, ip) in [("node-a", "192.168.77.9"), ("node-b", "192.168.77.1")] {
+        let n: Node = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+            "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
+        }))
+        .unwrap();
+        c.index.apply_node(name.into(), Some(objects::node(&n)));
+    }
+    let a = contents(&c.node("node-a"));
+    let b = contents(&c.node("node-b"));
+    let e = "198.51.100.21 . tcp . 443 . 198.51.100.22";
+    assert!(!has(&a, "firewall-allow", e) && has(&b, "firewall-allow", e));
+
+    // A range that holds a load balancer IP admits it already: no element of its own (the
+    // kernel refuses an interval beginning inside another of the set).
+    c.service(svc(
+        "snat",
+        "LoadBalancer",
+        "10.96.0.32",
+        &[(443, 0)],
+        json!({
+            "allocateLoadBalancerNodePorts": false,
+            "loadBalancerSourceRanges": ["192.168.77.0/24", "198.51.100.16/28"],
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.21"}, {"ip": "198.51.100.40"}]}},
+        }),
+    ));
+    let b = contents(&c.node("node-b"));
+    assert!(has(
+        &b,
+        "firewall-allow",
+        "198.51.100.21 . tcp . 443 . 198.51.100.40"
+    ));
+    assert!(!has(
+        &b,
+        "firewall-allow",
+        "198.51.100.21 . tcp . 443 . 198.51.100.21"
+    ));
+    assert!(has(
+        &b,
+        "firewall-allow",
+        "198.51.100.21 . tcp . 443 . 198.51.100.16/28"
+    ));
+}
+
+/// Without endpoints the ranges still hold, as kube-proxy's firewall runs before its
+/// endpoint check: clients outside them are dropped, clients inside refused.
+#[test]
+fn load_balancer_source_ranges_hold_without_endpoints() {
+    let mut c = Cluster::new();
+    c.service(svc(
+        "empty",
+        "LoadBalancer",
+        "10.96.0.33",
+        &[(443, 0)],
+        json!({
+            "allocateLoadBalancerNodePorts": false,
+            "loadBalancerSourceRanges": ["192.0.2.0/24"],
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.23"}]}},
+        }),
+    ));
+    let s = contents(&c.node("node-a"));
+    assert!(has(&s, "firewall-ips", "198.51.100.23 . tcp . 443"));
+    assert!(has(
+        &s,
+        "firewall-allow",
+        "198.51.100.23 . tcp . 443 . 192.0.2.0/24"
+    ));
+    assert!(has(&s, "no-endpoint-services", "198.51.100.23 . tcp . 443"));
+}
+
 #[test]
 fn internal_traffic_policy_local() {
     let mut c = Cluster::new();
@@ -571,6 +694,12 @@ fn incremental_overlays_equal_rebuilt_ones() {
                 let mut extra = policy;
                 if ty == "LoadBalancer" {
                     extra["status"] = json!({"loadBalancer": {"ingress": [{"ip": format!("198.51.100.{}", 10 + i)}]}});
+                    if step % 3 == 1 {
+                        // Judged on each node's address, which the Node steps below move in
+                        // and out of the first range.
+                        extra["loadBalancerSourceRanges"] =
+                            json!(["192.168.78.0/25", "192.168.77.1/32", "192.0.2.0/24"]);
+                    }
                 }
                 c.service(svc(
                     &name,

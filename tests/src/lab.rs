@@ -37,6 +37,7 @@ use anyhow::{Context, bail};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Namespace, Node as K8sNode, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 
 use crate::Result;
@@ -673,7 +674,7 @@ impl Lab {
     /// Applies the objects of a (multi-document) YAML text; returns "Kind ns/name" for each.
     /// Supported kinds: Namespace, Service (with its status, e.g. LoadBalancer ingress IPs),
     /// EndpointSlice (pods are created for their endpoints), Node (merged into the lab's Node of
-    /// that name, status included).
+    /// that name, status included), ServiceCIDR (an extra Service range of the API server).
     pub async fn apply_yaml(&self, text: &str) -> Result<Vec<String>> {
         let client = self.cp.client();
         let pp = PatchParams::apply("splitproxy-lab").force();
@@ -725,13 +726,67 @@ impl Lab {
                         .await?;
                     self.ensure_pods_for(&s)?;
                 }
+                "ServiceCIDR" => {
+                    let c = Api::<ServiceCIDR>::all(client.clone())
+                        .patch(&name, &pp, &Patch::Apply(&value))
+                        .await?;
+                    self.wait_allocatable(&c).await?;
+                    out.push(format!("{kind} {name}"));
+                    continue;
+                }
                 other => {
-                    bail!("unsupported kind {other:?} (Namespace, Node, Service, EndpointSlice)")
+                    bail!(
+                        "unsupported kind {other:?} (Namespace, Node, Service, EndpointSlice, ServiceCIDR)"
+                    )
                 }
             }
             out.push(format!("{kind} {ns}/{name}"));
         }
         Ok(out)
+    }
+
+    /// Waits until the API server allocates ClusterIPs from a ServiceCIDR just applied (its
+    /// allocator learns of new ranges through a watch), so that a Service applied next may take
+    /// an address from it: a dry-run create of a Service at the range's first address succeeds.
+    async fn wait_allocatable(&self, cidr: &ServiceCIDR) -> Result<()> {
+        let nets = cidr
+            .spec
+            .as_ref()
+            .and_then(|s| s.cidrs.clone())
+            .unwrap_or_default();
+        for net in nets {
+            let net: IpNet = net
+                .parse()
+                .with_context(|| format!("ServiceCIDR {net:?}"))?;
+            // The first address after the network's (which IPv6 ranges never allocate).
+            let Some(ip) = net.hosts().find(|ip| *ip != net.network()) else {
+                continue;
+            };
+            let probe: Service = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "splitproxy-lab-cidr-check", "namespace": "default"},
+                "spec": {"clusterIP": ip.to_string(), "clusterIPs": [ip.to_string()],
+                         "ipFamilies": [if ip.is_ipv4() { "IPv4" } else { "IPv6" }],
+                         "ports": [{"port": 80}]},
+            }))?;
+            let api = Api::<Service>::namespaced(self.cp.client(), "default");
+            let pp = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                match api.create(&pp, &probe).await {
+                    Ok(_) => break,
+                    Err(e) if e.to_string().contains("already allocated") => break,
+                    Err(e) if std::time::Instant::now() > deadline => {
+                        bail!("ServiceCIDR {net}: the API server allocates no address from it: {e}")
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Deletes an object of a supported kind (`ns` is ignored for Nodes and Namespaces).
@@ -747,6 +802,7 @@ impl Lab {
             ),
             "Node" => drop(Api::<K8sNode>::all(c).delete(name, &dp).await?),
             "Namespace" => drop(Api::<Namespace>::all(c).delete(name, &dp).await?),
+            "ServiceCIDR" => drop(Api::<ServiceCIDR>::all(c).delete(name, &dp).await?),
             other => bail!("unsupported kind {other:?}"),
         }
         Ok(())

@@ -82,7 +82,6 @@ impl Indexer {
         Indexer {
             index: Index::default(),
             filter: objects::ServiceFilter {
-                service_cidrs: config.service_cidrs.clone(),
                 proxy_name: config.service_proxy_name.clone(),
             },
             config: config.clone(),
@@ -114,11 +113,11 @@ impl Indexer {
     }
 
     fn service_event(&mut self, ev: Event<Service>) {
-        let cidrs = &self.filter;
+        let filter = &self.filter;
         match ev {
             Event::Init => self.services.start(),
             Event::InitApply(svc) => {
-                if let Some(info) = objects::service(&svc, cidrs, &self.metrics) {
+                if let Some(info) = objects::service(&svc, filter, &self.metrics) {
                     self.services.push((info.key.clone(), info));
                 }
             }
@@ -130,7 +129,7 @@ impl Indexer {
             }
             Event::Apply(svc) => {
                 let key = ObjectKey::of(&svc);
-                let info = objects::service(&svc, cidrs, &self.metrics);
+                let info = objects::service(&svc, filter, &self.metrics);
                 self.index.apply_service(key.clone(), info);
                 self.check_ports(&key);
                 self.dirty.insert(key.clone());
@@ -290,8 +289,7 @@ impl Indexer {
             return;
         }
         tracing::info!(?cidrs, "service CIDRs changed");
-        self.config.service_cidrs = cidrs.clone();
-        self.filter.service_cidrs = cidrs;
+        self.config.service_cidrs = cidrs;
         self.shared = None;
         self.overlays = Overlays::new(self.config.clone());
         self.published_overlays = imbl::HashMap::new();

@@ -1,6 +1,6 @@
 //! One Service's elements: what every node holds ([`global`]) and what only one node holds
 //! ([`node`]: its local endpoints, its topology choice, its hairpin pairs, its health check
-//! count). The two never share a key in one set, so a node's table is their disjoint union.
+//! count, the load balancer IPs it admits as sources). The two never share a key in one set, so a node's table is their disjoint union.
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
@@ -173,6 +173,60 @@ fn destinations(svc: &ServiceInfo, family: IpFamily) -> Destinations {
     }
 }
 
+/// A `firewall-allow` element: `key` from any source in `first..=last`.
+fn firewall_allow(key: &[Datum], first: IpAddr, last: IpAddr) -> (&'static str, Element) {
+    let mut start = key.to_vec();
+    start.push(ir::ip(first));
+    let mut end = key.to_vec();
+    end.push(ir::ip(last));
+    (
+        sets::FIREWALL_ALLOW,
+        Element {
+            key: start,
+            key_end: end,
+            ..Default::default()
+        },
+    )
+}
+
+/// The `loadBalancerSourceRanges` of `family` when they restrict the Service's load balancer
+/// IPs of that family, as kube-proxy judges each family on its own: no LB IP or no range of the
+/// family means no restriction, and so does a range of length 0 ("allow any").
+fn firewall_ranges(svc: &ServiceInfo, family: IpFamily) -> Option<Vec<ipnet::IpNet>> {
+    if !svc.load_balancer_ips.iter().any(|ip| family.holds(*ip)) {
+        return None;
+    }
+    let ranges: Vec<ipnet::IpNet> = svc
+        .source_ranges
+        .iter()
+        .copied()
+        .filter(|n| family.holds_net(*n))
+        .collect();
+    (!ranges.is_empty() && ranges.iter().all(|n| n.prefix_len() > 0)).then_some(ranges)
+}
+
+/// Whether `node` also admits the Service's own load balancer IPs as sources in `family`:
+/// kube-proxy does when a source range holds the node's IP of that family (its node IP, here
+/// the Node's primary address), because a VIP-style load balancer often makes the VIP a local
+/// address of its backends, and a node's request to the VIP then loops back with the VIP as its
+/// source (or a cloud SNATs the node's own traffic to it).
+pub fn admits_load_balancer_sources(svc: &ServiceInfo, node: &NodeInfo, family: IpFamily) -> bool {
+    firewall_ranges(svc, family).is_some_and(|ranges| {
+        node.primary
+            .iter()
+            .filter(|ip| family.holds(**ip))
+            .any(|ip| ranges.iter().any(|n| n.contains(ip)))
+    })
+}
+
+/// Whether what `svc` puts into a node's table depends on the node's addresses (see
+/// [`admits_load_balancer_sources`]), so that a Node changing its addresses must recompute it.
+pub fn depends_on_node_addresses(svc: &ServiceInfo) -> bool {
+    IpFamily::ALL
+        .iter()
+        .any(|f| firewall_ranges(svc, *f).is_some())
+}
+
 /// What `svc` puts into every node's table of `family`.
 pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, family: IpFamily) -> Contribution {
     let mut c = Contribution::default();
@@ -194,10 +248,23 @@ pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, family: IpFamily) -> Co
             },
         ));
     }
+    let ranges = firewall_ranges(svc, family);
     for (i, port) in svc.ports.iter().enumerate() {
         let eps = all.port(i, family);
         let comment = comment(svc, port);
         let node_port = port.node_port.filter(|_| dst.nodeports);
+        // Judged before the endpoints, as kube-proxy's firewall-check: a client outside the
+        // ranges is dropped even when the Service has nothing to serve with.
+        if let Some(ranges) = &ranges {
+            for &ip in &dst.load_balancer {
+                let key = addr_key(ip, port);
+                c.add(sets::FIREWALL_IPS, key.clone());
+                for net in ranges {
+                    c.elements
+                        .push(firewall_allow(&key, net.network(), net.broadcast()));
+                }
+            }
+        }
         if !endpoints::has_usable(eps) {
             for &ip in dst.cluster.iter().chain(&dst.external) {
                 c.add(sets::NO_ENDPOINT_SERVICES, addr_key(ip, port));
@@ -247,26 +314,6 @@ pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, family: IpFamily) -> Co
                 c.choose(Kind::NodePort, key, chosen, &comment);
             }
         }
-        if !svc.source_ranges.is_empty() {
-            for &ip in &dst.load_balancer {
-                let key = addr_key(ip, port);
-                c.add(sets::FIREWALL_IPS, key.clone());
-                for net in svc.source_ranges.iter().filter(|n| family.holds_net(**n)) {
-                    let mut start = key.clone();
-                    start.push(ir::ip(net.network()));
-                    let mut end = key.clone();
-                    end.push(ir::ip(net.broadcast()));
-                    c.elements.push((
-                        sets::FIREWALL_ALLOW,
-                        Element {
-                            key: start,
-                            key_end: end,
-                            ..Default::default()
-                        },
-                    ));
-                }
-            }
-        }
         if let Some(t) = svc.affinity_timeout {
             let members: BTreeSet<(IpAddr, u16)> = eps
                 .iter()
@@ -294,19 +341,38 @@ pub fn global(svc: &ServiceInfo, all: &ServiceEndpoints, family: IpFamily) -> Co
     c
 }
 
-/// The nodes that hold a share of `svc`: those hosting its endpoints, and every node when
-/// topology hints make each node choose.
-pub fn nodes_of<'a>(index: &'a Index, all: &ServiceEndpoints) -> BTreeSet<&'a str> {
+/// The nodes that hold a share of `svc`: those hosting its endpoints, those that admit its load
+/// balancer IPs as sources ([`admits_load_balancer_sources`]), and every node when topology
+/// hints make each node choose.
+pub fn nodes_of<'a>(
+    index: &'a Index,
+    svc: &ServiceInfo,
+    all: &ServiceEndpoints,
+) -> BTreeSet<&'a str> {
     if all.topology_dependent() {
         return index.nodes().map(|n| n.name.as_str()).collect();
     }
-    all.0
+    let mut nodes: BTreeSet<&'a str> = all
+        .0
         .iter()
         .flat_map(|f| f.values())
         .flat_map(|eps| endpoints::hosting_nodes(eps))
         .filter_map(|n| index.node(n))
         .map(|n| n.name.as_str())
-        .collect()
+        .collect();
+    if depends_on_node_addresses(svc) {
+        nodes.extend(
+            index
+                .nodes()
+                .filter(|n| {
+                    IpFamily::ALL
+                        .iter()
+                        .any(|f| admits_load_balancer_sources(svc, n, *f))
+                })
+                .map(|n| n.name.as_str()),
+        );
+    }
+    nodes
 }
 
 /// What `svc` puts into `node`'s table of `family` only.
@@ -370,6 +436,26 @@ pub fn node(
     for ip in hairpin {
         c.add(sets::HAIRPIN, vec![ir::ip(ip), ir::ip(ip)]);
     }
+    if admits_load_balancer_sources(svc, node, family) {
+        // Every load balancer IP of the family as a source of each of them, as kube-proxy's
+        // firewall chain lists them, except where a range already admits it: the shared part
+        // holds those ranges, and the kernel refuses an interval beginning inside another.
+        let ranges = firewall_ranges(svc, family).unwrap_or_default();
+        let sources: Vec<IpAddr> = dst
+            .load_balancer
+            .iter()
+            .copied()
+            .filter(|ip| !ranges.iter().any(|n| n.contains(ip)))
+            .collect();
+        for port in &svc.ports {
+            for &ip in &dst.load_balancer {
+                let key = addr_key(ip, port);
+                for &source in &sources {
+                    c.elements.push(firewall_allow(&key, source, source));
+                }
+            }
+        }
+    }
     // The health check sets live in the ip table only (see `sets::fixed_sets`).
     if family == IpFamily::V4
         && let Some(hc) = svc.health_check_node_port
@@ -431,4 +517,56 @@ pub fn node_facts(config: &super::RulesConfig, node: &NodeInfo, family: IpFamily
         ));
     }
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lb(ips: &[&str], ranges: &[&str]) -> ServiceInfo {
+        ServiceInfo {
+            load_balancer_ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
+            source_ranges: ranges.iter().map(|r| r.parse().unwrap()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn node_at(ips: &[&str]) -> NodeInfo {
+        let ips: Vec<IpAddr> = ips.iter().map(|i| i.parse().unwrap()).collect();
+        NodeInfo {
+            name: "n".into(),
+            addresses: ips.clone(),
+            primary: ips,
+            ..Default::default()
+        }
+    }
+
+    /// kube-proxy judges each family on its own: ranges of one family do not close the load
+    /// balancer IPs of the other, and a zero-length range is "allow any".
+    #[test]
+    fn source_ranges_apply_per_family() {
+        let s = lb(&["198.51.100.1", "2001:db8::1"], &["192.0.2.0/24"]);
+        assert!(firewall_ranges(&s, IpFamily::V4).is_some());
+        assert!(firewall_ranges(&s, IpFamily::V6).is_none());
+        let any = lb(&["198.51.100.1"], &["192.0.2.0/24", "0.0.0.0/0"]);
+        assert!(firewall_ranges(&any, IpFamily::V4).is_none());
+        assert!(!depends_on_node_addresses(&any));
+        let no_lb = lb(&[], &["192.0.2.0/24"]);
+        assert!(!depends_on_node_addresses(&no_lb));
+    }
+
+    /// Only the node's IP of the family (its primary address) counts, as kube-proxy's node IP.
+    #[test]
+    fn the_nodes_primary_address_decides() {
+        let s = lb(
+            &["198.51.100.1", "2001:db8::1"],
+            &["192.0.2.0/24", "2001:db8:1::/48"],
+        );
+        let inside = node_at(&["192.0.2.7", "2001:db8:2::7"]);
+        assert!(admits_load_balancer_sources(&s, &inside, IpFamily::V4));
+        assert!(!admits_load_balancer_sources(&s, &inside, IpFamily::V6));
+        let mut secondary = node_at(&["203.0.113.7"]);
+        secondary.addresses.push("192.0.2.7".parse().unwrap());
+        assert!(!admits_load_balancer_sources(&s, &secondary, IpFamily::V4));
+    }
 }

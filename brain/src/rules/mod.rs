@@ -25,7 +25,8 @@
 //!
 //! What every node holds comes from [`contribution::global`]; what only one node holds (its
 //! local endpoints, its topology choice, its NodePort addresses, its hairpin pairs, its health
-//! check counts) from [`contribution::node`], kept in per-node overlays
+//! check counts, the load balancer IPs it admits as sources because a source range holds its
+//! IP) from [`contribution::node`] and [`contribution::node_facts`], kept in per-node overlays
 //! ([`crate::overlay`]). A Service added, removed or changing its endpoints moves elements;
 //! a new endpoint count adds a set and a rule without any jump. Every object is one `nft` can
 //! list, so operators can still read the table with `nft list ruleset`.
