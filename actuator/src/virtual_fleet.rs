@@ -288,16 +288,23 @@ impl VirtualFleet {
         held: Option<&Held>,
     ) -> Result<(Arc<Model>, Arc<Model>), String> {
         let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
-        if env.base_generation != 0 {
+        // A delta names its base by generation, or, resumed by content, by digest.
+        let by_content = env.base_generation == 0 && !env.snapshot && !env.base_digest.is_empty();
+        if env.base_generation != 0 || by_content {
             let h = held.ok_or("delta without a base")?;
-            if h.epoch != env.brain_epoch || h.generation != env.base_generation {
+            let same = if by_content {
+                h.model.digest_with(&h.overlay) == env.base_digest
+            } else {
+                h.epoch == env.brain_epoch && h.generation == env.base_generation
+            };
+            if !same {
                 return Err(format!(
                     "delta on generation {} but {} is held",
                     env.base_generation, h.generation
                 ));
             }
         }
-        let base = held.filter(|_| env.base_generation != 0);
+        let base = held.filter(|_| env.base_generation != 0 || by_content);
         let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
         let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
         let model = match cached {
@@ -406,6 +413,8 @@ struct Envelope {
     bodies: Vec<Bytes>,
     trigger_times: Vec<SystemTime>,
     digest: Vec<u8>,
+    /// For a delta resumed by content: the digest of its base (docs/protocol.md).
+    base_digest: Vec<u8>,
     more: bool,
     wire_len: usize,
 }
@@ -416,6 +425,7 @@ impl Envelope {
         self.trigger_times.extend(next.trigger_times);
         self.wire_len += next.wire_len;
         self.digest = next.digest;
+        self.base_digest = next.base_digest;
         self.more = next.more;
     }
 }
@@ -456,6 +466,7 @@ impl Message for Envelope {
             }
             8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
             9 => prost::encoding::bool::merge(wire_type, &mut self.more, buf, ctx),
+            10 => bytes::merge(wire_type, &mut self.base_digest, buf, ctx),
             _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
         };
         self.wire_len += before - buf.remaining();
