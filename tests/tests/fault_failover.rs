@@ -351,6 +351,10 @@ async fn failover_and_restart_resume_by_content_without_snapshots() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::Relaxed);
     let (failures, n) = looper.await.unwrap();
+    eprintln!(
+        "connection loop: {n} connections, {} failed",
+        failures.len()
+    );
     assert!(n > 50, "the loop made {n} connections");
     assert!(
         failures.is_empty(),
