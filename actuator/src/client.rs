@@ -277,6 +277,19 @@ async fn first_serving(config: &ClientConfig, preferred: &[Uri]) -> Option<usize
     None
 }
 
+/// A health check of the preferred brains running beside the stream (the index of the first
+/// that serves); aborted when the stream ends.
+#[derive(Default)]
+struct Probe(Option<tokio::task::JoinHandle<Option<usize>>>);
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        if let Some(probe) = self.0.take() {
+            probe.abort();
+        }
+    }
+}
+
 /// The random time until the next check for a preferred replica.
 fn rebalance_interval() -> Duration {
     REBALANCE_MIN.mul_f64(1.0 + rand::random_range(0.0..1.0))
@@ -332,14 +345,30 @@ async fn stream<K: Kernel + Send + 'static>(
     // a whole decoded snapshot; delta parts (small) are joined.
     let mut pending: Option<Pending> = None;
     let mut rebalance_at = tokio::time::Instant::now() + rebalance_interval();
+    // The health checks of preferred brains run beside the stream, which keeps applying
+    // updates meanwhile.
+    let mut probe = Probe::default();
     loop {
         let update = tokio::select! {
             update = updates.next() => update,
-            _ = tokio::time::sleep_until(rebalance_at), if !preferred.is_empty() => {
+            _ = tokio::time::sleep_until(rebalance_at), if !preferred.is_empty() && probe.0.is_none() => {
                 rebalance_at = tokio::time::Instant::now() + rebalance_interval();
+                let (config, preferred) = (config.clone(), preferred.to_vec());
+                probe.0 = Some(tokio::spawn(async move {
+                    first_serving(&config, &preferred).await
+                }));
+                continue;
+            }
+            found = async {
+                match probe.0.as_mut() {
+                    Some(check) => check.await.ok().flatten(),
+                    None => std::future::pending().await,
+                }
+            }, if probe.0.is_some() => {
+                probe.0 = None;
                 // Never in the middle of an update's parts.
                 if pending.is_none()
-                    && let Some(to) = first_serving(config, preferred).await
+                    && let Some(to) = found
                 {
                     return Ok(Some(to));
                 }
