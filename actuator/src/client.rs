@@ -172,6 +172,7 @@ pub async fn run<K: Kernel + Send + 'static>(
         tokio::time::sleep(delay).await;
     }
 }
+
 fn read(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
     let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     anyhow::ensure!(!pem.is_empty(), "{} is empty", path.display());
