@@ -135,9 +135,15 @@ impl<K: Kernel> Applier<K> {
         match update.body.as_ref().ok_or(ApplyError::Empty)? {
             Body::Snapshot(r) => self.apply_snapshot(update, Model::from_ruleset(r)),
             Body::Delta(d) => {
-                if update.brain_epoch != self.applied.brain_epoch
-                    || update.base_generation != self.applied.generation
-                {
+                // A delta names its base by this brain's epoch and generation, or, resumed on
+                // another replica or a restarted brain, by the digest of what it applies on
+                // (docs/protocol.md, "Resumption").
+                let same_generation = update.brain_epoch == self.applied.brain_epoch
+                    && update.base_generation == self.applied.generation;
+                let same_content = update.base_generation == 0
+                    && !update.base_digest.is_empty()
+                    && update.base_digest == self.applied.digest;
+                if !(same_generation || same_content) {
                     return Err(ApplyError::WrongBase {
                         base_epoch: update.brain_epoch,
                         base: update.base_generation,

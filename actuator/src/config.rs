@@ -17,7 +17,9 @@ use crate::healthcheck;
     about = "splitproxy actuator: applies the brain's ruleset deltas to this node's nftables over netlink"
 )]
 pub struct Args {
-    /// Brain addresses (https://host:port); tried in turn. Repeatable or comma-separated.
+    /// Brain addresses (https://host:port); each node prefers one by rendezvous hashing of its
+    /// name, and tries the others in its own order when a stream fails. Repeatable or
+    /// comma-separated.
     #[arg(long = "brain", required = true, value_delimiter = ',')]
     pub brains: Vec<String>,
     /// Name the brain's certificate must carry (defaults to each address's host).
@@ -69,7 +71,7 @@ pub struct TlsFiles {
 pub struct Config {
     /// This node's name (--hostname-override, NODE_NAME, or the hostname).
     pub node: String,
-    /// Brain addresses, tried in turn; never empty.
+    /// Brain addresses, tried in this node's order (`client::brain_order`); never empty.
     pub brains: Vec<Uri>,
     /// Name the brain's certificate must carry (defaults to each address's host).
     pub brain_server_name: Option<String>,

@@ -19,7 +19,8 @@ use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Ack, update::Body};
 use tokio::sync::watch;
 
-use crate::metrics::Metrics;
+use crate::history::History;
+use crate::metrics::{Metrics, Resumption};
 
 /// Changes remembered for trigger times and object names; a node further behind than this gets
 /// the state without the older trigger times.
@@ -68,6 +69,23 @@ impl Held {
         m.apply(&Model::default().diff(&self.overlay));
         m
     }
+}
+
+/// The last part's node-specific fields: the node's own body and its digest, and for a delta
+/// resumed by content the digest of its base (see [`Fanout::resume_point`]).
+fn node_part(own: Body, digest: Vec<u8>, base_digest: Vec<u8>) -> Bytes {
+    let part = encode_node_part(own, digest);
+    if base_digest.is_empty() {
+        return part;
+    }
+    let base = splitproxy_proto::v1::Update {
+        base_digest,
+        ..Default::default()
+    };
+    let mut joined = Vec::with_capacity(part.len() + prost::Message::encoded_len(&base));
+    joined.extend_from_slice(&part);
+    prost::Message::encode_raw(&base, &mut joined);
+    Bytes::from(joined)
 }
 
 impl Publication {
@@ -130,6 +148,8 @@ pub struct Fanout {
     changes: Mutex<VecDeque<Change>>,
     bodies: Mutex<HashMap<BodyKey, Arc<EncodedBody>>>,
     pending: Mutex<BTreeMap<u64, Pending>>,
+    /// Recent publications, for nodes that resume by content ([`Fanout::resume_point`]).
+    history: History,
     pub nodes: Mutex<HashMap<String, NodeState>>,
     pub metrics: Arc<Metrics>,
     /// Snapshots that may be in flight at once (see `server::session`).
@@ -158,6 +178,7 @@ impl Fanout {
             changes: Mutex::new(VecDeque::new()),
             bodies: Mutex::new(HashMap::new()),
             pending: Mutex::new(BTreeMap::new()),
+            history: History::default(),
             nodes: Mutex::new(HashMap::new()),
             metrics,
             snapshot_permits: Arc::new(tokio::sync::Semaphore::new(
@@ -223,11 +244,13 @@ impl Fanout {
         self.metrics
             .publications
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.publication_tx.send_replace(Arc::new(Publication {
+        let publication = Arc::new(Publication {
             version,
             shared,
             overlays,
-        }));
+        });
+        self.history.record(publication.clone());
+        self.publication_tx.send_replace(publication);
     }
 
     /// Marks the brain ready to serve (every initial list done) or stale (relisting).
@@ -289,18 +312,21 @@ impl Fanout {
             Some(b) => Body::Delta(b.overlay.diff(&target.overlay)),
             None => Body::Snapshot(target.overlay.to_ruleset()),
         };
-        let node_part = encode_node_part(own, target.digest());
-        let (generation, base_generation) = {
+        let (generation, base_generation, base_digest) = {
             let mut nodes = self.nodes.lock().ok()?;
             let st = nodes.entry(node.to_string()).or_default();
             st.generation += 1;
-            let base_generation = if base.is_some() {
-                st.acked_generation
-            } else {
-                0
-            };
-            (st.generation, base_generation)
+            match base {
+                None => (st.generation, 0, Vec::new()),
+                // Acked here: the base is named by its generation.
+                Some(_) if st.acked_generation != 0 => {
+                    (st.generation, st.acked_generation, Vec::new())
+                }
+                // Resumed by content and not acked here since: by its digest.
+                Some(b) => (st.generation, 0, b.digest()),
+            }
         };
+        let node_part = node_part(own, target.digest(), base_digest);
         let frame = |shared: Bytes, extra: Bytes| UpdateFrame {
             brain_epoch: self.epoch,
             generation,
@@ -319,7 +345,7 @@ impl Fanout {
         m.updates_sent.fetch_add(1, Ordering::Relaxed);
         m.update_bytes_sent
             .fetch_add(bytes as u64, Ordering::Relaxed);
-        if base_generation == 0 {
+        if base.is_none() {
             m.snapshots_sent.fetch_add(1, Ordering::Relaxed);
         }
         Some(Next::Send(frames, target))
@@ -386,22 +412,57 @@ impl Fanout {
         (times, objects)
     }
 
-    /// Where a resuming node stands: its acked state if it still holds what this brain
-    /// remembers sending it under this epoch, otherwise nothing (it gets a snapshot).
+    /// Where a resuming node stands, counted by kind
+    /// (`splitproxy_brain_resumptions_total`): the state this brain knows it acked under this
+    /// epoch; else, by content, the newest remembered publication at which the node would have
+    /// held exactly the digest it presents (another replica's state, or this brain's before a
+    /// restart, computed from the same API state); else nothing, and it gets a snapshot. The
+    /// digest equality is the proof that the node holds the base a delta is computed from, and
+    /// the actuator checks it again (`Update.base_digest`) and the digest after applying.
     pub fn resume_point(
         &self,
         node: &str,
         applied: Option<&splitproxy_proto::v1::Applied>,
     ) -> Option<Held> {
+        let (held, kind) = match self.resume(node, applied) {
+            Some((held, kind)) => (Some(held), kind),
+            None => (None, Resumption::Snapshot),
+        };
+        self.metrics.resumed(kind);
+        tracing::info!(
+            node,
+            resumption = kind.as_str(),
+            version = held.as_ref().map(|h| h.version),
+            "resuming node"
+        );
+        held
+    }
+
+    fn resume(
+        &self,
+        node: &str,
+        applied: Option<&splitproxy_proto::v1::Applied>,
+    ) -> Option<(Held, Resumption)> {
         let applied = applied?;
-        if applied.brain_epoch != self.epoch {
-            return None;
+        if applied.digest.is_empty() {
+            return None; // nothing applied
         }
-        let nodes = self.nodes.lock().ok()?;
-        let st = nodes.get(node)?;
-        let held = st.acked.as_ref()?;
-        (st.acked_generation == applied.generation && held.digest() == applied.digest)
-            .then(|| held.clone())
+        let mut nodes = self.nodes.lock().ok()?;
+        if applied.brain_epoch == self.epoch
+            && let Some(st) = nodes.get(node)
+            && let Some(held) = &st.acked
+            && st.acked_generation == applied.generation
+            && held.digest() == applied.digest
+        {
+            return Some((held.clone(), Resumption::SameEpoch));
+        }
+        let held = self.history.find(node, &applied.digest)?;
+        // What the node holds now; not acked under a generation of this brain (0), so its next
+        // delta names its base by digest.
+        let st = nodes.entry(node.to_string()).or_default();
+        st.acked = Some(held.clone());
+        st.acked_generation = 0;
+        Some((held, Resumption::ByContent))
     }
 
     /// Records a node's answer to the update that took it to `sent` (version and model).

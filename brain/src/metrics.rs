@@ -25,6 +25,8 @@ pub struct Metrics {
     pub publications: AtomicU64,
     pub encodes: AtomicU64,
     pub encoded_bytes: AtomicU64,
+    /// Sessions started, by how the node was resumed ([`Resumption`]).
+    resumptions: [AtomicU64; 3],
     /// Publication to the last connected node's ack.
     fanout: Mutex<Option<Histogram>>,
     /// Index change to published desired state.
@@ -55,7 +57,45 @@ fn render_histogram(out: &mut String, h: &Mutex<Option<Histogram>>, name: &str, 
     h.render(out, name, help);
 }
 
+/// How a node's session started (`splitproxy_brain_resumptions_total{kind}`; see
+/// `Fanout::resume_point`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resumption {
+    /// From the state this brain knows the node acked, under its own epoch.
+    SameEpoch,
+    /// From a recent publication whose content the node's digest proves it holds.
+    ByContent,
+    /// Nothing known: a snapshot.
+    Snapshot,
+}
+
+impl Resumption {
+    pub const ALL: [Resumption; 3] = [
+        Resumption::SameEpoch,
+        Resumption::ByContent,
+        Resumption::Snapshot,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resumption::SameEpoch => "same_epoch",
+            Resumption::ByContent => "by_content",
+            Resumption::Snapshot => "snapshot",
+        }
+    }
+}
+
 impl Metrics {
+    /// Counts a session started as `kind`.
+    pub fn resumed(&self, kind: Resumption) {
+        self.resumptions[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sessions started as `kind` so far.
+    pub fn resumptions(&self, kind: Resumption) -> u64 {
+        self.resumptions[kind as usize].load(Ordering::Relaxed)
+    }
+
     /// Counts an object, or a part of one, skipped for `reason`.
     pub fn invalid(&self, reason: InvalidReason) {
         if let Ok(mut m) = self.invalid.lock() {
@@ -184,6 +224,16 @@ impl Metrics {
             "Nodes with an open stream.",
             connected_nodes.to_string(),
         );
+        out.push_str("# HELP splitproxy_brain_resumptions_total Node sessions started, by how the node was resumed: same_epoch (from what it acked here), by_content (from a recent publication its digest matches: failover, brain restart), snapshot.\n");
+        out.push_str("# TYPE splitproxy_brain_resumptions_total counter\n");
+        for kind in Resumption::ALL {
+            let _ = writeln!(
+                out,
+                "splitproxy_brain_resumptions_total{{kind=\"{}\"}} {}",
+                kind.as_str(),
+                self.resumptions(kind)
+            );
+        }
         render_histogram(
             &mut out,
             &self.fanout,

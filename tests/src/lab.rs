@@ -461,6 +461,43 @@ impl Lab {
         Ok(())
     }
 
+    /// Kills brain `i` with SIGKILL, as a crash or an OOM kill would: no clean-up, its streams
+    /// simply break.
+    pub fn kill_brain(&mut self, i: usize) -> Result<()> {
+        if let Some(mut b) = self.brains[i].take() {
+            b.child.signal(nix::sys::signal::Signal::SIGKILL)?;
+            b.child.stop()?; // reaps it
+        }
+        Ok(())
+    }
+
+    /// Starts brain `i` again on the address it had, so every node's forwarder reaches it as
+    /// before and no other connection is cut (a restarted pod behind the same Service). Falls
+    /// back to [`Lab::start_brain`] (a fresh port, every forwarder relinked) if the address is
+    /// taken meanwhile.
+    pub fn restart_brain(&mut self, i: usize) -> Result<()> {
+        match self.spawn_brain(i, Some(self.brain_addrs[i])) {
+            Ok(b) => {
+                self.brains[i] = Some(b);
+                Ok(())
+            }
+            Err(_) => self.start_brain(i),
+        }
+    }
+
+    /// The `--brain` addresses the actuators were given, in order (as node namespaces see
+    /// them).
+    pub fn actuator_brain_urls(&self) -> Vec<String> {
+        (0..self.brain_addrs.len())
+            .map(|j| {
+                format!(
+                    "https://{}",
+                    SocketAddr::from(([127, 0, 0, 1], crate::deploy::brain_port_in_node(j)))
+                )
+            })
+            .collect()
+    }
+
     /// Stops the actuator of node `i` (SIGTERM); its rules stay in the kernel.
     pub fn stop_actuator(&mut self, i: usize) -> Result<()> {
         self.actuators[i].child.stop()?;

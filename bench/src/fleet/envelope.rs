@@ -21,6 +21,8 @@ pub(super) struct Envelope {
     pub bodies: Vec<Bytes>,
     pub trigger_times: Vec<SystemTime>,
     pub digest: Vec<u8>,
+    /// A delta resumed by content names its base by digest (`base_generation` 0).
+    pub base_digest: Vec<u8>,
     pub more: bool,
     pub wire_len: usize,
 }
@@ -32,6 +34,7 @@ impl Envelope {
         self.trigger_times.extend(next.trigger_times);
         self.wire_len += next.wire_len;
         self.digest = next.digest;
+        self.base_digest = next.base_digest;
         self.more = next.more;
     }
 }
@@ -74,6 +77,7 @@ impl Message for Envelope {
             }
             8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
             9 => prost::encoding::bool::merge(wire_type, &mut self.more, buf, ctx),
+            10 => bytes::merge(wire_type, &mut self.base_digest, buf, ctx),
             _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
         };
         self.wire_len += before - buf.remaining();

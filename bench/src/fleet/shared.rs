@@ -51,16 +51,23 @@ impl SharedModels {
     /// last part. Checks the digest the brain sent, as a real actuator does.
     pub fn next_state(&self, env: &Envelope, held: Option<&Held>) -> Result<Held, String> {
         let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
-        if env.base_generation != 0 {
+        // A delta names its base by generation, or, resumed by content, by digest.
+        let by_content = env.base_generation == 0 && !env.snapshot && !env.base_digest.is_empty();
+        if env.base_generation != 0 || by_content {
             let h = held.ok_or("delta without a base")?;
-            if h.epoch != env.brain_epoch || h.generation != env.base_generation {
+            let same = if by_content {
+                h.model.digest_with(&h.overlay) == env.base_digest
+            } else {
+                h.epoch == env.brain_epoch && h.generation == env.base_generation
+            };
+            if !same {
                 return Err(format!(
                     "delta on generation {} but {} is held",
                     env.base_generation, h.generation
                 ));
             }
         }
-        let base = held.filter(|_| env.base_generation != 0);
+        let base = held.filter(|_| env.base_generation != 0 || by_content);
         let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
         let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
         let model = match cached {

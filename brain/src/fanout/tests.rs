@@ -42,6 +42,32 @@ fn model(elements: impl IntoIterator<Item = u32>) -> Arc<Model> {
     }))
 }
 
+/// `base` with the integer `i` added, as an incremental change makes it: a new version sharing
+/// the structure of `base` (a rebuilt model would share none, and the history keeps little from
+/// before a rebuild, `crate::history`).
+fn grown(base: &Arc<Model>, i: u32) -> Arc<Model> {
+    let e = Element {
+        key: vec![splitproxy_proto::v1::Datum {
+            value: Some(datum::Value::U32(i)),
+        }],
+        ..Element::default()
+    };
+    let mut m = (**base).clone();
+    let inserted = m.insert_element(
+        &(Family::Ip, "splitproxy".into()),
+        "numbers",
+        splitproxy_proto::model::element_key_bytes(&e),
+        e.encode_to_vec().into_boxed_slice(),
+    );
+    assert!(inserted);
+    Arc::new(m)
+}
+
+/// Sessions started so far, by kind: same epoch, by content, snapshot.
+fn resumptions(f: &Fanout) -> [u64; 3] {
+    crate::metrics::Resumption::ALL.map(|k| f.metrics.resumptions(k))
+}
+
 fn at(seconds: i64) -> Timestamp {
     Timestamp { seconds, nanos: 0 }
 }
@@ -278,7 +304,12 @@ fn a_nack_makes_the_next_update_a_snapshot() {
         "delete elements from set service-ips"
     );
     assert_eq!(f.metrics.nacks.load(Ordering::Relaxed), 1);
-    assert!(f.resume_point("n1", Some(&before)).is_none());
+    // A refused update changes nothing on the node: reconnecting, it still holds v1, which
+    // its digest proves.
+    assert_eq!(
+        f.resume_point("n1", Some(&before)).map(|h| h.version),
+        Some(1)
+    );
 
     let snapshots = f.metrics.snapshots_sent.load(Ordering::Relaxed);
     let (frames, held) = send(&f, "n1", None);
@@ -293,10 +324,10 @@ fn a_nack_makes_the_next_update_a_snapshot() {
 
 // ---- resumption ----
 
-/// A node reconnecting with what it applied resumes from there only if this brain sent it
-/// exactly that: same epoch, the generation it last acked, the same digest.
+/// A node reconnecting to the brain it acked resumes from what it acked: same epoch, the
+/// generation it last acked, the same digest; its next delta names that generation.
 #[test]
-fn resumption_needs_the_same_epoch_generation_and_digest() {
+fn resumption_on_the_same_brain_names_the_acked_generation() {
     let f = fanout();
     let none = Overlays::new();
     publish(&f, model([1]), &none, 1);
@@ -305,11 +336,12 @@ fn resumption_needs_the_same_epoch_generation_and_digest() {
 
     let base = f.resume_point("n1", Some(&good)).expect("known base");
     assert_eq!(base.version, 1);
+    assert_eq!(resumptions(&f), [1, 0, 0]);
     assert!(matches!(
         f.next_update("n1", Some(&base), &f.publication()),
         Some(Next::Current(_))
     ));
-    publish(&f, model([1, 2]), &none, 2);
+    publish(&f, grown(&model([1]), 2), &none, 2);
     let (frames, _) = send(&f, "n1", Some(&base));
     assert_eq!(
         frames[0].base_generation, good.generation,
@@ -317,26 +349,143 @@ fn resumption_needs_the_same_epoch_generation_and_digest() {
     );
     assert_eq!(v1.version, 1);
     assert!(matches!(shared_body(&decode(&frames)), Body::Delta(_)));
+    assert!(decode(&frames).iter().all(|u| u.base_digest.is_empty()));
 
+    // Whatever does not match a remembered state gets a snapshot.
     let unknown = [
         Applied {
-            brain_epoch: f.epoch ^ 1,
-            ..good.clone()
-        },
-        Applied {
-            generation: good.generation + 1,
-            ..good.clone()
-        },
-        Applied {
             digest: vec![0; 16],
+            ..good.clone()
+        },
+        Applied {
+            digest: Vec::new(),
             ..good.clone()
         },
     ];
     for a in &unknown {
         assert!(f.resume_point("n1", Some(a)).is_none(), "{a:?}");
     }
-    assert!(f.resume_point("n2", Some(&good)).is_none(), "another node");
     assert!(f.resume_point("n1", None).is_none(), "nothing applied");
+    assert_eq!(resumptions(&f), [1, 0, 3]);
+}
+
+/// Two replicas fed the same API state publish the same content under their own epochs and
+/// versions. A node that fails over from one to the other resumes by content: nothing to send
+/// when it holds the current state, else a delta from the version it holds, whose base is named
+/// by digest (the node's generation is the other replica's). The delta applied to what the node
+/// holds gives the digest the brain announces.
+#[test]
+fn a_node_fails_over_to_another_replica_by_content() {
+    let (a, b) = (fanout(), fanout());
+    let o = overlays(&[("n1", 100), ("n2", 200)]);
+    let v1 = model([1]);
+    for f in [&a, &b] {
+        publish(f, v1.clone(), &o, 1);
+    }
+    // b publishes a version more than a (a's first states were dropped, or b started earlier):
+    // versions differ, content does not.
+    publish(&b, model([1, 2]), &o, 2);
+    publish(&b, v1.clone(), &o, 3);
+    assert_eq!((a.publication().version, b.publication().version), (1, 3));
+
+    let held = sync(&a, "n1", None);
+    let on_a = applied(&a, "n1");
+    assert_eq!(on_a.digest, held.digest());
+
+    // Same content at b's current version: nothing to send.
+    let base = b
+        .resume_point("n1", Some(&on_a))
+        .expect("resumed by content");
+    assert_eq!(base.version, 3);
+    assert_eq!(resumptions(&b), [0, 1, 0]);
+    assert!(matches!(
+        b.next_update("n1", Some(&base), &b.publication()),
+        Some(Next::Current(_))
+    ));
+    let snapshots = b.metrics.snapshots_sent.load(Ordering::Relaxed);
+
+    // b moves on: a delta on the digest the node presented.
+    let v4 = grown(&v1, 4);
+    publish(&b, v4.clone(), &o, 4);
+    let (frames, sent) = send(&b, "n1", Some(&base));
+    assert!(frames.iter().all(|fr| fr.base_generation == 0));
+    let updates = decode(&frames);
+    assert_eq!(updates.last().unwrap().base_digest, on_a.digest);
+    assert!(
+        updates[..updates.len() - 1]
+            .iter()
+            .all(|u| u.base_digest.is_empty()),
+        "only the last part names it"
+    );
+    let mut node_model = held.full();
+    for u in &updates {
+        if let Some(Body::Delta(d)) = &u.body {
+            node_model.apply(d);
+        }
+    }
+    assert_eq!(node_model.digest(), updates.last().unwrap().digest);
+    assert_eq!(node_model.digest(), v4.digest_with(&model([100])));
+    assert_eq!(b.metrics.snapshots_sent.load(Ordering::Relaxed), snapshots);
+
+    // Once acked there, it is b's node like any other: the next delta names b's generation.
+    assert!(answer(&b, "n1", &frames, sent.clone(), true));
+    publish(&b, grown(&v4, 5), &o, 5);
+    let (frames, _) = send(&b, "n1", Some(&sent));
+    assert_eq!(frames[0].base_generation, frames[0].generation - 1);
+    assert!(decode(&frames).iter().all(|u| u.base_digest.is_empty()));
+    // And it resumes on b by generation, or by content, from then on.
+    let on_b = applied(&b, "n1");
+    assert!(b.resume_point("n1", Some(&on_b)).is_some());
+    assert_eq!(resumptions(&b), [1, 1, 0]);
+}
+
+/// Replicas' views differ for a moment. A node holding a state the replica it reaches has not
+/// published (it is behind) gets a snapshot; a node holding a state the replica published some
+/// versions ago (it is ahead) gets a delta from there. Another node's digest proves nothing
+/// about this one.
+#[test]
+fn a_replica_resumes_only_states_it_published_for_that_node() {
+    let (ahead, behind) = (fanout(), fanout());
+    let o = overlays(&[("n1", 100), ("n2", 200)]);
+    let v1 = model([1]);
+    publish(&behind, v1.clone(), &o, 1);
+    publish(&ahead, v1.clone(), &o, 1);
+    let v2 = grown(&v1, 2);
+    publish(&ahead, v2.clone(), &o, 2);
+    let mut v = v2.clone();
+    for i in 3..=10 {
+        v = grown(&v, i);
+        publish(&ahead, v.clone(), &o, i as i64);
+    }
+
+    // n1 synced on the replica ahead, at v2 (then it failed), fails over to the one behind.
+    let on_ahead = Applied {
+        brain_epoch: ahead.epoch,
+        generation: 1,
+        digest: v2.digest_with(&model([100])),
+    };
+    assert!(behind.resume_point("n1", Some(&on_ahead)).is_none());
+    assert_eq!(resumptions(&behind), [0, 0, 1]);
+
+    // n2 synced on the replica behind at v1, fails over to the one ahead: a delta from v1.
+    let on_behind = Applied {
+        brain_epoch: behind.epoch,
+        generation: 1,
+        digest: v1.digest_with(&model([200])),
+    };
+    let base = ahead
+        .resume_point("n2", Some(&on_behind))
+        .expect("v1 is remembered");
+    assert_eq!(base.version, 1);
+    let (frames, sent) = send(&ahead, "n2", Some(&base));
+    assert_eq!(sent.version, 10);
+    let updates = decode(&frames);
+    assert_eq!(updates.last().unwrap().base_digest, on_behind.digest);
+    // It carries the trigger times of every version after the one the node holds.
+    assert_eq!(updates.last().unwrap().trigger_times.len(), 9);
+
+    // n2's digest is not n1's state.
+    assert!(ahead.resume_point("n1", Some(&on_behind)).is_none());
 }
 
 // ---- the shared body cache ----
