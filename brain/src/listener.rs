@@ -46,6 +46,9 @@ pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Streams one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a
 /// node needs its `Sync` stream and a few unary calls, grpcurl a reflection stream and a call.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 16;
+/// A connection is closed this long after its client certificate expired: its `Sync` stream ends
+/// at the expiry itself with a status saying why (`server.rs`); this catches everything else.
+pub const EXPIRY_GRACE: Duration = Duration::from_secs(5);
 /// At most one warning line per this interval for each kind of refusal.
 pub const LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -467,9 +470,10 @@ fn established(io: TlsStream<TcpStream>, remote: SocketAddr, slot: Slot) -> Conn
         .peer_certificates()
         .and_then(tls::identity_of_chain)
         .unwrap_or_default();
-    let expiry = identity
-        .expires
-        .and_then(|at| Some((at, Box::pin(tokio::time::sleep_until(instant_of(at)?)))));
+    let expiry = identity.expires.and_then(|at| {
+        let at = at + EXPIRY_GRACE;
+        Some((at, Box::pin(tokio::time::sleep_until(instant_of(at)?))))
+    });
     Conn {
         io,
         info: PeerInfo {
