@@ -93,6 +93,7 @@ impl PeerInfo {
 pub struct SurfaceMetrics {
     refused: Mutex<BTreeMap<Refusal, u64>>,
     handshake_failures: Mutex<BTreeMap<&'static str, u64>>,
+    closed: Mutex<BTreeMap<&'static str, u64>>,
     pub open_connections: AtomicU64,
     pub tls_reloads: AtomicU64,
     pub tls_reload_errors: AtomicU64,
@@ -118,6 +119,12 @@ impl SurfaceMetrics {
         }
     }
 
+    fn closed(&self, reason: &'static str) {
+        if let Ok(mut m) = self.closed.lock() {
+            *m.entry(reason).or_default() += 1;
+        }
+    }
+
     pub fn render(&self, out: &mut String) {
         out.push_str("# HELP splitproxy_brain_refused_total Connections and calls refused, by reason (see docs/protocol.md, \"Who may call what\").\n");
         out.push_str("# TYPE splitproxy_brain_refused_total counter\n");
@@ -139,6 +146,17 @@ impl SurfaceMetrics {
                 let _ = writeln!(
                     out,
                     "splitproxy_brain_tls_handshake_failures_total{{reason=\"{reason}\"}} {n}"
+                );
+            }
+        }
+        out.push_str("# HELP splitproxy_brain_connections_closed_total Established connections the brain closed: no request in time (idle), client certificate expired.\n");
+        out.push_str("# TYPE splitproxy_brain_connections_closed_total counter\n");
+        if let Ok(m) = self.closed.lock() {
+            for reason in ["idle", "certificate_expired"] {
+                let n = m.get(reason).copied().unwrap_or(0);
+                let _ = writeln!(
+                    out,
+                    "splitproxy_brain_connections_closed_total{{reason=\"{reason}\"}} {n}"
                 );
             }
         }
@@ -293,7 +311,7 @@ impl Drop for Slot {
 pub struct Conn {
     io: TlsStream<TcpStream>,
     info: PeerInfo,
-    _slot: Slot,
+    slot: Slot,
     first_request: Option<Pin<Box<Sleep>>>,
     expiry: Option<(SystemTime, Pin<Box<Sleep>>)>,
 }
@@ -320,18 +338,21 @@ impl Conn {
         if let Some(d) = &mut self.first_request
             && d.as_mut().poll(cx).is_ready()
         {
+            self.first_request = None;
             if !self.info.started.load(Ordering::Relaxed) {
+                self.slot.metrics.surface.closed("idle");
                 return Some(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "no request on the connection",
                 ));
             }
-            self.first_request = None;
         }
         if let Some((at, d)) = &mut self.expiry
             && d.as_mut().poll(cx).is_ready()
         {
             if SystemTime::now() >= *at {
+                self.expiry = None;
+                self.slot.metrics.surface.closed("certificate_expired");
                 return Some(io::Error::new(
                     io::ErrorKind::PermissionDenied,
                     "client certificate expired",
@@ -481,7 +502,7 @@ fn established(io: TlsStream<TcpStream>, remote: SocketAddr, slot: Slot) -> Conn
             identity: Arc::new(identity),
             started: Arc::new(AtomicBool::new(false)),
         },
-        _slot: slot,
+        slot,
         first_request: Some(Box::pin(tokio::time::sleep(FIRST_REQUEST_TIMEOUT))),
         expiry,
     }

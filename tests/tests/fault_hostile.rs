@@ -165,6 +165,28 @@ fn labelled(text: &str, name: &str, label: &str, value: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {prefix} in the brain's metrics"))
 }
 
+/// Idle connections the test opens.
+const IDLE: usize = 5;
+
+/// A connection, handshake done, that never starts a request.
+async fn idle_channel(addr: SocketAddr, tls: &TlsFiles) -> tonic::transport::Channel {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let cfg = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(&tls.ca).unwrap()))
+        .identity(Identity::from_pem(
+            std::fs::read(&tls.cert).unwrap(),
+            std::fs::read(&tls.key).unwrap(),
+        ))
+        .domain_name("127.0.0.1");
+    Channel::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(cfg)
+        .unwrap()
+        .connect()
+        .await
+        .expect("connects")
+}
+
 /// A node's stream, driven by hand.
 struct FakeNode {
     tx: mpsc::Sender<SyncRequest>,
@@ -273,6 +295,11 @@ async fn hostile_clients_are_refused_while_nodes_stay_in_sync() {
         );
         let issued = Instant::now();
         tokio::spawn(async move {
+            // A second connection with the same certificate, which made one call and stays.
+            let mut held = grpc_client(brain, &tls).await.unwrap();
+            held.list_nodes(ListNodesRequest {})
+                .await
+                .expect("a node lists itself");
             let mut node = FakeNode::open(brain, &tls, "fake-expiring").await.unwrap();
             let generation = node.next_update().await.unwrap();
             node.ack(Ack {
@@ -282,7 +309,29 @@ async fn hostile_clients_are_refused_while_nodes_stay_in_sync() {
             })
             .await;
             let status = node.ended(valid + Duration::from_secs(10)).await;
-            (status, issued.elapsed(), valid)
+            let ended = issued.elapsed();
+            // The other connection is closed a few seconds later; the certificate opens no new one.
+            tokio::time::sleep_until((issued + valid + Duration::from_secs(8)).into()).await;
+            let after = held.list_nodes(ListNodesRequest {}).await;
+            assert!(
+                after.is_err(),
+                "served after the certificate expired: {after:?}"
+            );
+            (status, ended, valid)
+        })
+    };
+
+    // Connections that finish their handshake but start no request are closed after 30 s.
+    let idle = {
+        let tls = lab.operator_tls.clone();
+        tokio::spawn(async move {
+            let mut channels = Vec::new();
+            for _ in 0..IDLE {
+                channels.push(idle_channel(brain, &tls).await);
+            }
+            let opened = Instant::now();
+            tokio::time::sleep(Duration::from_secs(36)).await;
+            (channels.len(), opened.elapsed())
         })
     };
 
@@ -528,8 +577,31 @@ async fn hostile_clients_are_refused_while_nodes_stay_in_sync() {
         "{after:?}"
     );
 
-    // Refusals were counted by reason.
+    let (opened, after) = idle.await.unwrap();
     let metrics = lab.brain(0).http_get("/metrics").unwrap().1;
+    let closed = labelled(
+        &metrics,
+        "splitproxy_brain_connections_closed_total",
+        "reason",
+        "idle",
+    );
+    println!("{closed} idle connections closed, {opened} opened {after:?} before");
+    assert!(
+        closed >= IDLE as f64,
+        "{closed} of {IDLE} idle connections closed"
+    );
+    let expired = labelled(
+        &metrics,
+        "splitproxy_brain_connections_closed_total",
+        "reason",
+        "certificate_expired",
+    );
+    assert!(
+        expired >= 1.0,
+        "the expired certificate's connection was not closed"
+    );
+
+    // Refusals were counted by reason.
     for reason in ["not_a_node", "other_node", "no_role", "hello_timeout"] {
         let n = labelled(&metrics, "splitproxy_brain_refused_total", "reason", reason);
         assert!(n >= 1.0, "{reason}: {n}");
