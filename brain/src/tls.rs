@@ -205,3 +205,103 @@ pub fn identity_of(der: &[u8]) -> Identity {
 pub fn identity_of_chain(certs: &[CertificateDer<'_>]) -> Option<Identity> {
     certs.first().map(|leaf| identity_of(leaf.as_ref()))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+
+    use super::*;
+
+    struct Ca {
+        pem: String,
+        issuer: Issuer<'static, KeyPair>,
+    }
+
+    fn ca(name: &str) -> Ca {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let pem = params.self_signed(&key).unwrap().pem();
+        Ca {
+            pem,
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// A leaf from `ca`: (certificate PEM and DER, key PEM).
+    fn leaf(ca: &Ca, cn: &str, orgs: &[&str]) -> (String, Vec<u8>, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec![cn.to_string()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        for o in orgs {
+            params.distinguished_name.push(DnType::OrganizationName, *o);
+        }
+        params
+            .subject_alt_names
+            .push(SanType::DnsName("alias.example".try_into().unwrap()));
+        let cert = params.signed_by(&key, &ca.issuer).unwrap();
+        (cert.pem(), cert.der().to_vec(), key.serialize_pem())
+    }
+
+    #[test]
+    fn a_certificate_vouches_for_its_names_groups_and_expiry() {
+        let ca = ca("ca");
+        // rcgen writes one Organization (a later one replaces an earlier one).
+        let (_, der, _) = leaf(&ca, "node-1", &["splitproxy:nodes"]);
+        let id = identity_of(&der);
+        assert_eq!(id.names, ["alias.example", "node-1"]);
+        assert_eq!(id.groups, ["splitproxy:nodes"]);
+        let left = id
+            .expires
+            .unwrap()
+            .duration_since(SystemTime::now())
+            .unwrap();
+        assert!(left > Duration::from_secs(3600), "{left:?}");
+        assert_eq!(identity_of(b"not a certificate"), Identity::default());
+    }
+
+    /// Changed files are used for the next handshake; files that do not load keep the previous
+    /// configuration, and are tried again once fixed.
+    #[test]
+    fn changed_files_are_reloaded_and_broken_ones_keep_the_last_good() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = TlsPaths {
+            cert: dir.path().join("tls.crt"),
+            key: dir.path().join("tls.key"),
+            client_ca: dir.path().join("ca.crt"),
+        };
+        let ca = ca("ca");
+        let write = |cn: &str| {
+            let (cert, _, key) = leaf(&ca, cn, &[]);
+            std::fs::write(&paths.cert, cert).unwrap();
+            std::fs::write(&paths.key, key).unwrap();
+        };
+        std::fs::write(&paths.client_ca, &ca.pem).unwrap();
+        write("brain-a");
+        let metrics = Arc::new(Metrics::default());
+        let tls = ReloadingTls::new(paths.clone(), metrics.clone()).unwrap();
+        let first = tls.current();
+        assert!(!tls.reload_if_changed(), "nothing changed");
+
+        write("brain-b-with-a-longer-name");
+        assert!(tls.reload_if_changed());
+        let second = tls.current();
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert_eq!(second.alpn_protocols, [b"h2".to_vec()]);
+
+        std::fs::write(&paths.key, "garbage").unwrap();
+        assert!(!tls.reload_if_changed(), "a broken key is not loaded");
+        assert!(
+            Arc::ptr_eq(&second, &tls.current()),
+            "the last good one stays"
+        );
+        write("brain-c-with-an-even-longer-name");
+        assert!(tls.reload_if_changed(), "tried again once fixed");
+        use std::sync::atomic::Ordering::Relaxed;
+        assert_eq!(metrics.surface.tls_reloads.load(Relaxed), 2);
+        assert_eq!(metrics.surface.tls_reload_errors.load(Relaxed), 1);
+    }
+}

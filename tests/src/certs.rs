@@ -124,8 +124,9 @@ impl Pki {
         self.sign(params)
     }
 
-    /// A client certificate with CN `common_name`, a DNS SAN of the same name, and one
-    /// organization per group (Kubernetes maps O to groups, e.g. "system:masters").
+    /// A client certificate with CN `common_name`, a DNS SAN of the same name, and an
+    /// organization for the group (Kubernetes maps O to groups, e.g. "system:masters"). rcgen
+    /// writes one Organization per subject: with several groups, the last one is kept.
     pub fn client_cert_with_groups(&self, common_name: &str, groups: &[&str]) -> Result<CertPair> {
         let mut params = leaf_params(&[common_name])?;
         params
