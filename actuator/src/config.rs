@@ -41,10 +41,11 @@ pub struct Args {
     /// touch any other.
     #[arg(long, default_value = "splitproxy")]
     pub table: String,
-    /// /healthz and /readyz.
+    /// /healthz and /readyz (every node address by default, for load balancers' health checks).
     #[arg(long = "healthz-bind-address", default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: SocketAddr,
-    /// /metrics (may equal the healthz address, which then serves both).
+    /// /metrics, served there only (loopback by default). When it equals the healthz address,
+    /// that one server answers both.
     #[arg(long = "metrics-bind-address", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: SocketAddr,
     /// Log format: text or json.

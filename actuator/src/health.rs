@@ -1,6 +1,9 @@
 //! The actuator's local HTTP endpoints: /healthz (the process is up), /readyz (a first update
 //! has been applied; never goes back to false, since the node keeps forwarding with the last
-//! applied rules when the brain is away) and /metrics.
+//! applied rules when the brain is away) on `--healthz-bind-address`, and /metrics on
+//! `--metrics-bind-address` only (loopback by default): health is for load balancers on the
+//! node's addresses, metrics are not for everyone who can reach the node. When both flags name
+//! the same address, one server answers both.
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,16 +33,37 @@ impl Health {
     }
 }
 
-pub async fn serve(listener: tokio::net::TcpListener, health: Arc<Health>) -> std::io::Result<()> {
-    let app = Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route(
+/// Which endpoints one server answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Endpoints {
+    /// /healthz and /readyz.
+    pub health: bool,
+    /// /metrics.
+    pub metrics: bool,
+}
+
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    health: Arc<Health>,
+    endpoints: Endpoints,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(health, endpoints)).await
+}
+
+fn router(health: Arc<Health>, endpoints: Endpoints) -> Router {
+    let mut app = Router::new();
+    if endpoints.health {
+        app = app
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz));
+    }
+    if endpoints.metrics {
+        app = app.route(
             "/metrics",
             get(|State(h): State<Arc<Health>>| async move { h.metrics.render() }),
-        )
-        .with_state(health);
-    axum::serve(listener, app).await
+        );
+    }
+    app.with_state(health)
 }
 
 pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
@@ -51,5 +75,42 @@ async fn readyz(State(h): State<Arc<Health>>) -> (StatusCode, &'static str) {
         (StatusCode::OK, "ok\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no update applied yet\n")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn get_status(endpoints: Endpoints, path: &str) -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(serve(listener, Arc::new(Health::default()), endpoints));
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).await.unwrap();
+        server.abort();
+        answer.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    /// /metrics only where the metrics flag says, health only where the healthz flag says.
+    #[tokio::test]
+    async fn each_server_answers_only_its_endpoints() {
+        let health = Endpoints {
+            health: true,
+            metrics: false,
+        };
+        let metrics = Endpoints {
+            health: false,
+            metrics: true,
+        };
+        assert_eq!(get_status(health, "/healthz").await, 200);
+        assert_eq!(get_status(health, "/readyz").await, 503);
+        assert_eq!(get_status(health, "/metrics").await, 404);
+        assert_eq!(get_status(metrics, "/metrics").await, 200);
+        assert_eq!(get_status(metrics, "/healthz").await, 404);
     }
 }

@@ -22,20 +22,37 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let applier = Arc::new(Mutex::new(Applier::new(socket, config.table.clone())));
     let health = Arc::new(Health::default());
 
+    // Health on the healthz address (load balancers probe it on the node's addresses),
+    // metrics on the metrics address only; one server for both when the flags are equal.
+    let shared = config.metrics_bind_address == config.healthz_bind_address;
     let healthz = health::bind(config.healthz_bind_address)
         .await
         .context("binding healthz address")?;
     tokio::spawn(log_err(
         "healthz server",
-        health::serve(healthz, health.clone()),
+        health::serve(
+            healthz,
+            health.clone(),
+            health::Endpoints {
+                health: true,
+                metrics: shared,
+            },
+        ),
     ));
-    if config.metrics_bind_address != config.healthz_bind_address {
+    if !shared {
         let metrics = health::bind(config.metrics_bind_address)
             .await
             .context("binding metrics address")?;
         tokio::spawn(log_err(
             "metrics server",
-            health::serve(metrics, health.clone()),
+            health::serve(
+                metrics,
+                health.clone(),
+                health::Endpoints {
+                    health: false,
+                    metrics: true,
+                },
+            ),
         ));
     }
     let after = Arc::new(AfterCommit::new(

@@ -34,10 +34,10 @@ pub enum Command {
     Scale(ScaleArgs),
     /// Run a brain (same as splitproxy-brain).
     #[command(hide = true)]
-    Brain(splitproxy_brain::config::Args),
+    Brain(Box<splitproxy_brain::config::Args>),
     /// Run an actuator (same as splitproxy-actuator).
     #[command(hide = true)]
-    Actuator(splitproxy_actuator::config::Args),
+    Actuator(Box<splitproxy_actuator::config::Args>),
 }
 
 #[derive(Debug, Clone, clap::Args)]

@@ -16,13 +16,13 @@ fn main() -> anyhow::Result<()> {
             splitproxy_bench::scale::run(&args)
         }
         Some(Command::Brain(args)) => {
-            let config = splitproxy_brain::config::BrainConfig::try_from(args)?;
+            let config = splitproxy_brain::config::BrainConfig::try_from(*args)?;
             splitproxy_brain::init_logging(&config.log_format);
             runtime()?.block_on(splitproxy_brain::run::run(config))
         }
         Some(Command::Actuator(args)) => {
             splitproxy_actuator::init_logging(&args.log_format);
-            runtime()?.block_on(splitproxy_actuator::run::run(args.try_into()?))
+            runtime()?.block_on(splitproxy_actuator::run::run((*args).try_into()?))
         }
         None => runtime()?.block_on(async {
             // On SIGINT or SIGTERM the run is dropped, which stops every component it started

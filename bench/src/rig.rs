@@ -15,7 +15,9 @@ use anyhow::Context;
 use splitproxy_proto::v1::dataplane_client::DataplaneClient;
 use splitproxy_proto::v1::{ListNodesRequest, ListNodesResponse};
 use splitproxy_tests::certs::{Pki, TlsFiles};
-use splitproxy_tests::deploy::{ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, http_get_in};
+use splitproxy_tests::deploy::{
+    ACTUATOR_HEALTHZ, ACTUATOR_METRICS, Actuator, Brain, BrainOptions, http_get_in,
+};
 use splitproxy_tests::{Cluster, ClusterSpec, ControlPlane, ControlPlaneOptions};
 use tonic::transport::Channel;
 
@@ -64,7 +66,7 @@ impl Rig {
         let cluster = Cluster::new(ClusterSpec::with_node_names(names))
             .context("creating node namespaces")?;
         let pki = Arc::new(Pki::new("splitproxy-bench")?);
-        let operator_tls = pki.write(dir, "operator", &pki.client_cert("operator")?)?;
+        let operator_tls = pki.write(dir, "operator", &pki.operator_cert("operator")?)?;
         Ok(Rig {
             fleet: None,
             kube_proxy: None,
@@ -144,7 +146,7 @@ impl Rig {
     /// The actuator of real node `i`: its /metrics.
     pub fn actuator_scrape(&self, i: usize) -> anyhow::Result<Scrape> {
         let ns = self.cluster.node(i).netns();
-        let (code, body) = http_get_in(ns, ACTUATOR_HEALTHZ.parse()?, "/metrics")?;
+        let (code, body) = http_get_in(ns, ACTUATOR_METRICS.parse()?, "/metrics")?;
         anyhow::ensure!(code == 200, "actuator /metrics answered {code}");
         Ok(Scrape::parse(&body))
     }

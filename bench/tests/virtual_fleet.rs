@@ -29,7 +29,7 @@ async fn virtual_nodes_converge_and_share_encoded_updates() {
     .unwrap();
     let nodes: Vec<FleetNode> = (0..40)
         .map(|i| {
-            let c = lab.pki.client_cert(&format!("virtual-{i}")).unwrap();
+            let c = lab.pki.node_cert(&format!("virtual-{i}")).unwrap();
             FleetNode {
                 name: format!("virtual-{i}"),
                 cert_pem: c.cert_pem.into_bytes(),

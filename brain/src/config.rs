@@ -23,6 +23,13 @@ pub const DEFAULT_MAX_CONCURRENT_SNAPSHOTS: usize = 32;
 pub const DEFAULT_UPDATE_PART_ELEMENTS: usize = 1024;
 /// `--min-publish-interval-ms`' default.
 pub const DEFAULT_MIN_PUBLISH_INTERVAL_MS: u64 = 200;
+/// `--tls-handshake-timeout-ms`' default.
+pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// `--max-connections`' default: every node of a 5,000-node cluster on one replica, operators,
+/// and room for a reconnect wave.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 20_000;
+/// `--max-connections-per-ip`' default: a node needs one connection.
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -110,6 +117,24 @@ pub struct Args {
     /// it are folded into one update per node, like kube-proxy's minimum sync period.
     #[arg(long, default_value_t = DEFAULT_MIN_PUBLISH_INTERVAL_MS)]
     pub min_publish_interval_ms: u64,
+    /// Certificate Organization (group) whose members are nodes: they may open `Sync` for the
+    /// node their common name or DNS SAN names, and read only that node's state.
+    #[arg(long, default_value = crate::auth::DEFAULT_NODE_GROUP)]
+    pub node_group: String,
+    /// Certificate Organization (group) whose members are operators: they may call the
+    /// introspection RPCs (`ListNodes`, `GetNodeRuleset` of any node), and may not open `Sync`.
+    #[arg(long, default_value = crate::auth::DEFAULT_OPERATOR_GROUP)]
+    pub operator_group: String,
+    /// A TLS handshake not done within this time (milliseconds) is abandoned and counted.
+    #[arg(long, default_value_t = DEFAULT_TLS_HANDSHAKE_TIMEOUT_MS)]
+    pub tls_handshake_timeout_ms: u64,
+    /// gRPC connections held at once, handshaking or established; more are closed at once.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// gRPC connections held at once from one peer address. Raise it when nodes reach the brain
+    /// through a source NAT.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS_PER_IP)]
+    pub max_connections_per_ip: usize,
     /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once
     /// listening; with port 0 this lets a supervisor learn the ports without races.
     #[arg(long)]
@@ -139,6 +164,49 @@ pub struct BrainConfig {
     pub rules: RulesConfig,
     /// How the brain paces and sizes its work.
     pub tuning: Tuning,
+    /// Who may call what, and the listener's bounds.
+    pub surface: Surface,
+}
+
+/// The gRPC surface: the groups that carry the node and operator roles ([`crate::auth`]) and the
+/// listener's bounds ([`crate::listener`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Surface {
+    /// `--node-group` and `--operator-group`.
+    pub groups: crate::auth::Groups,
+    /// `--tls-handshake-timeout-ms`, `--max-connections`, `--max-connections-per-ip`.
+    pub limits: crate::listener::Limits,
+}
+
+impl Default for Surface {
+    fn default() -> Self {
+        Surface {
+            groups: crate::auth::Groups::default(),
+            limits: crate::listener::Limits {
+                handshake_timeout: Duration::from_millis(DEFAULT_TLS_HANDSHAKE_TIMEOUT_MS),
+                max_connections: DEFAULT_MAX_CONNECTIONS,
+                max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
+            },
+        }
+    }
+}
+
+impl Surface {
+    /// The flags that give a brain this surface (see [`BrainConfig::to_args`]).
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--node-group".into(),
+            self.groups.node.clone(),
+            "--operator-group".into(),
+            self.groups.operator.clone(),
+            "--tls-handshake-timeout-ms".into(),
+            self.limits.handshake_timeout.as_millis().to_string(),
+            "--max-connections".into(),
+            self.limits.max_connections.to_string(),
+            "--max-connections-per-ip".into(),
+            self.limits.max_connections_per_ip.to_string(),
+        ]
+    }
 }
 
 /// The PEM files of the gRPC server's mTLS.
@@ -225,6 +293,17 @@ impl TryFrom<Args> for BrainConfig {
                 update_part_elements: args.update_part_elements,
                 min_publish_interval: Duration::from_millis(args.min_publish_interval_ms),
             },
+            surface: Surface {
+                groups: crate::auth::Groups {
+                    node: args.node_group,
+                    operator: args.operator_group,
+                },
+                limits: crate::listener::Limits {
+                    handshake_timeout: Duration::from_millis(args.tls_handshake_timeout_ms),
+                    max_connections: args.max_connections,
+                    max_connections_per_ip: args.max_connections_per_ip,
+                },
+            },
         })
     }
 }
@@ -255,6 +334,7 @@ impl BrainConfig {
         flag("--log-format", self.log_format.clone().into());
         args.extend(self.rules.to_args().into_iter().map(OsString::from));
         args.extend(self.tuning.to_args().into_iter().map(OsString::from));
+        args.extend(self.surface.to_args().into_iter().map(OsString::from));
         args
     }
 }
@@ -389,6 +469,17 @@ mod tests {
                 update_part_elements: 7,
                 min_publish_interval: Duration::from_millis(1500),
             },
+            surface: Surface {
+                groups: crate::auth::Groups {
+                    node: "n".into(),
+                    operator: "o".into(),
+                },
+                limits: crate::listener::Limits {
+                    handshake_timeout: Duration::from_millis(2500),
+                    max_connections: 9,
+                    max_connections_per_ip: 4,
+                },
+            },
         }
     }
 
@@ -419,6 +510,11 @@ mod tests {
             "--max-concurrent-snapshots=3",
             "--update-part-elements=7",
             "--min-publish-interval-ms=1500",
+            "--node-group=n",
+            "--operator-group=o",
+            "--tls-handshake-timeout-ms=2500",
+            "--max-connections=9",
+            "--max-connections-per-ip=4",
         ]));
         assert_eq!(format!("{by_hand:?}"), format!("{expected:?}"));
         // config -> args -> config.
@@ -453,6 +549,7 @@ mod tests {
         );
         assert_eq!(config.log_format, "text");
         assert_eq!(config.tuning, Tuning::default());
+        assert_eq!(config.surface, Surface::default());
         assert_eq!(
             format!("{:?}", config.rules),
             format!("{:?}", RulesConfig::default())

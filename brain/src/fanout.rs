@@ -122,7 +122,17 @@ pub struct NodeState {
     pub last_errno: i32,
     pub last_refused_message: String,
     pub last_kernel_message: String,
+    /// The session that holds the node's stream (0: none); only it may mark the node
+    /// disconnected, and a newer one ends it ([`Fanout::connect`]).
+    pub session: u64,
+    /// Tells the current session to end (a newer one replaced it).
+    pub end_session: Option<Arc<tokio::sync::Notify>>,
+    /// When the last session ended, for [`Fanout::prune_disconnected`].
+    pub disconnected_at: Option<Instant>,
 }
+
+/// Session ids, unique within the process.
+static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Identifies an encoded body: (base version or 0 for a snapshot, target version).
 type BodyKey = (u64, u64);
@@ -522,14 +532,78 @@ impl Fanout {
         }
     }
 
-    pub fn set_connected(&self, node: &str, connected: bool, peer: &str) {
+    /// A stream for `node` from `peer` starts serving: it becomes the node's session. An older
+    /// session of the same node still open is told to end (a newer stream replaces it: the node
+    /// reconnected before the old connection was noticed dead). Returns the session's id and what
+    /// tells it to end.
+    pub fn connect(&self, node: &str, peer: &str) -> (u64, Arc<tokio::sync::Notify>) {
+        let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
+        let end = Arc::new(tokio::sync::Notify::new());
         if let Ok(mut nodes) = self.nodes.lock() {
             let st = nodes.entry(node.to_string()).or_default();
-            st.connected = connected;
+            if let Some(older) = st.end_session.replace(end.clone()) {
+                older.notify_one();
+            }
+            st.session = id;
+            st.connected = true;
             st.peer = peer.to_string();
+            st.disconnected_at = None;
         }
-        if !connected {
+        (id, end)
+    }
+
+    /// Session `session` of `node` ended. Only the node's current session marks it
+    /// disconnected: a replaced one ending says nothing about the node.
+    pub fn disconnect(&self, node: &str, session: u64) {
+        let current = match self.nodes.lock() {
+            Ok(mut nodes) => match nodes.get_mut(node) {
+                Some(st) if st.session == session => {
+                    st.connected = false;
+                    st.session = 0;
+                    st.end_session = None;
+                    st.disconnected_at = Some(Instant::now());
+                    true
+                }
+                _ => false,
+            },
+            Err(_) => false,
+        };
+        if current {
             self.settle(node, None);
+        }
+    }
+
+    /// Marks `node` connected through a new session, or ends its current session, for callers
+    /// that hold no session of their own (tests of the fan-out).
+    pub fn set_connected(&self, node: &str, connected: bool, peer: &str) {
+        if connected {
+            self.connect(node, peer);
+        } else {
+            let session = self
+                .nodes
+                .lock()
+                .ok()
+                .and_then(|n| n.get(node).map(|st| st.session));
+            if let Some(session) = session {
+                self.disconnect(node, session);
+            }
+        }
+    }
+
+    /// Forgets nodes disconnected for longer than `grace` that the cluster does not know (no
+    /// Node object in the latest publication): a node deleted from the cluster, or a name that
+    /// never was one, does not stay in `ListNodes` forever. Nodes of the cluster stay listed
+    /// while disconnected, which is what an operator needs to see.
+    pub fn prune_disconnected(&self, now: Instant, grace: Duration) {
+        let publication = self.publication();
+        if let Ok(mut nodes) = self.nodes.lock() {
+            nodes.retain(|name, st| {
+                st.connected
+                    || publication.overlays.contains_key(name)
+                    || st
+                        .disconnected_at
+                        .is_none_or(|at| now.saturating_duration_since(at) < grace)
+            });
         }
     }
 

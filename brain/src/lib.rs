@@ -2,12 +2,14 @@
 //! stream snapshots and deltas to the actuators over mTLS gRPC.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod config;
 pub mod desired;
 pub mod fanout;
 pub mod history;
 pub mod http;
 pub mod index;
+pub mod listener;
 pub mod metrics;
 pub mod objects;
 pub mod overlay;

@@ -33,6 +33,8 @@ pub struct Metrics {
     compute: Mutex<Option<Histogram>>,
     /// Building and encoding one distinct update body.
     encode: Mutex<Option<Histogram>>,
+    /// The gRPC surface: refusals, failed handshakes, connections, TLS reloads.
+    pub surface: crate::listener::SurfaceMetrics,
 }
 
 /// Seconds, from 100 µs to about 100 s.
@@ -252,6 +254,7 @@ impl Metrics {
             "splitproxy_brain_encode_duration_seconds",
             "Computing and encoding one distinct update body.",
         );
+        self.surface.render(&mut out);
         out
     }
 }

@@ -12,7 +12,7 @@ use crate::config::BrainConfig;
 use crate::fanout::Fanout;
 use crate::metrics::Metrics;
 use crate::server::DataplaneService;
-use crate::{http, tls, watch};
+use crate::{http, listener, tls, watch};
 
 /// Runs the brain with `config` (see [`crate::config`] for how flags become one) until SIGTERM or
 /// SIGINT.
@@ -128,16 +128,23 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         }
     });
 
-    let tls = tls::server_config(&config.tls.cert, &config.tls.key, &config.tls.client_ca)?;
+    let metrics = fanout.metrics.clone();
+    let tls = Arc::new(tls::ReloadingTls::new(config.tls.clone(), metrics.clone())?);
+    let groups = Arc::new(config.surface.groups.clone());
     let service = DataplaneService {
         fanout,
-        verify_node_identity: true,
+        groups: groups.clone(),
     };
+    // TLS is terminated by our own listener (handshake timeout, connection bounds, reloaded
+    // files); tonic serves the established connections.
     Server::builder()
-        .tls_config(tls)
-        .context("configuring TLS")?
         .http2_keepalive_interval(Some(transport::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(transport::KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(listener::MAX_STREAMS_PER_CONNECTION)
+        .layer(listener::Gate {
+            groups,
+            metrics: metrics.clone(),
+        })
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
@@ -145,7 +152,10 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                 .max_decoding_message_size(transport::MAX_REQUEST_MESSAGE)
                 .max_encoding_message_size(transport::MAX_ENCODED_MESSAGE),
         )
-        .serve_with_incoming_shutdown(no_delay(grpc), shutdown())
+        .serve_with_incoming_shutdown(
+            listener::incoming(grpc, tls, config.surface.limits, metrics),
+            shutdown(),
+        )
         .await
         .context("gRPC server")?;
     Ok(())
@@ -167,20 +177,4 @@ async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kub
 async fn shutdown() {
     splitproxy_proto::process::shutdown_signal().await;
     tracing::info!("shutting down");
-}
-
-/// Accepted node connections with Nagle's algorithm off (tonic sets it only on listeners it
-/// binds itself): an update written in two parts must not wait for the node's delayed ACK.
-fn no_delay(
-    listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt;
-    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
-        if let Ok(c) = &conn
-            && let Err(e) = c.set_nodelay(true)
-        {
-            tracing::debug!(error = %e, "TCP_NODELAY not set on a node connection");
-        }
-        conn
-    })
 }

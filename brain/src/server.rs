@@ -16,18 +16,73 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::auth::{self, Groups, Refusal, Roles};
 use crate::fanout::{Fanout, Next, Publication};
-use crate::tls;
+use crate::listener::{self, PeerInfo};
 
 /// How long the brain waits for an ack before it gives up on the stream.
 const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause after a NACK before the next attempt (a snapshot), unless the state changes first.
 const NACK_BACKOFF: Duration = Duration::from_secs(2);
+/// How long a new `Sync` stream may take to send its Hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a disconnected node the cluster does not know stays in `ListNodes`.
+pub const NODE_STATE_GRACE: Duration = Duration::from_secs(120);
+/// Longest `Hello.version` accepted.
+const MAX_VERSION: usize = 256;
 
 pub struct DataplaneService {
     pub fanout: Arc<Fanout>,
-    /// Require the client certificate to name the node (off only for tests of other parts).
-    pub verify_node_identity: bool,
+    /// The groups that carry the node and operator roles (see [`crate::auth`]).
+    pub groups: Arc<Groups>,
+}
+
+impl DataplaneService {
+    /// The caller of `request` and what it may do; refused when no certificate reached us.
+    fn caller<T>(&self, request: &Request<T>) -> Result<(PeerInfo, Roles), Status> {
+        let Some(peer) = PeerInfo::of(request) else {
+            self.fanout.metrics.surface.refused(Refusal::NoIdentity);
+            return Err(Status::unauthenticated("no client certificate"));
+        };
+        let roles = auth::roles(&peer.identity, &self.groups);
+        Ok((peer, roles))
+    }
+
+    fn refuse(&self, reason: Refusal, peer: &PeerInfo, what: &str) -> Status {
+        listener::refuse(&self.fanout.metrics, reason, peer, what)
+    }
+}
+
+/// A Hello fit to act on: a node name that is a Kubernetes name, a version of sane length.
+fn check_hello(hello: &splitproxy_proto::v1::Hello) -> Result<(), String> {
+    if !auth::valid_node_name(&hello.node) {
+        return Err(format!(
+            "Hello.node {:?} is not a node name",
+            auth::bounded(&hello.node, 64)
+        ));
+    }
+    if hello.version.len() > MAX_VERSION {
+        return Err(format!("Hello.version is longer than {MAX_VERSION} bytes"));
+    }
+    if hello.applied.as_ref().is_some_and(|a| a.digest.len() > 64) {
+        return Err("Hello.applied.digest is too long".into());
+    }
+    Ok(())
+}
+
+/// An ack with every text the node sent bounded ([`auth::MAX_PEER_TEXT`]): the brain keeps
+/// and logs these, and `ListNodes` returns them.
+fn bounded_ack(mut ack: splitproxy_proto::v1::Ack) -> splitproxy_proto::v1::Ack {
+    for text in [
+        &mut ack.error,
+        &mut ack.refused_message,
+        &mut ack.kernel_message,
+    ] {
+        if text.len() > auth::MAX_PEER_TEXT {
+            *text = auth::bounded(text, auth::MAX_PEER_TEXT);
+        }
+    }
+    ack
 }
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<UpdateFrame, Status>> + Send>>;
@@ -40,47 +95,68 @@ impl Dataplane for DataplaneService {
         &self,
         request: Request<Streaming<SyncRequest>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
-        let peer = request
-            .remote_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        let identities = tls::peer_identities(&request);
+        let (info, roles) = self.caller(&request)?;
+        // Before reading anything: a caller that may never sync is refused at once.
+        if roles.nodes.is_none() {
+            let reason = if roles.operator {
+                Refusal::NotANode
+            } else {
+                Refusal::NoRole
+            };
+            return Err(self.refuse(reason, &info, "Sync"));
+        }
+        let peer = info.remote.to_string();
         let mut inbound = request.into_inner();
-        let hello = match inbound.next().await {
-            Some(Ok(SyncRequest {
+        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.next()).await {
+            Err(_) => return Err(self.refuse(Refusal::HelloTimeout, &info, "Sync")),
+            Ok(Some(Ok(SyncRequest {
                 msg: Some(sync_request::Msg::Hello(h)),
-            })) => h,
-            Some(Err(e)) => return Err(e),
-            _ => return Err(Status::invalid_argument("the first message must be Hello")),
+            }))) => h,
+            Ok(Some(Err(e))) => return Err(e),
+            Ok(_) => return Err(self.refuse(Refusal::BadHello, &info, "Sync")),
         };
-        if hello.node.is_empty() {
-            return Err(Status::invalid_argument("Hello.node is empty"));
+        if let Err(e) = check_hello(&hello) {
+            self.refuse(Refusal::BadHello, &info, "Sync");
+            return Err(Status::invalid_argument(e));
         }
-        if self.verify_node_identity && !identities.iter().any(|id| id == &hello.node) {
-            tracing::warn!(node = %hello.node, ?identities, %peer, "node name does not match client certificate");
-            return Err(Status::permission_denied(format!(
-                "client certificate does not identify node {:?}",
-                hello.node
-            )));
+        if let Err(reason) = roles.may_sync(&hello.node) {
+            return Err(self.refuse(reason, &info, &format!("Sync for node {}", hello.node)));
         }
-        tracing::info!(node = %hello.node, %peer, applied = ?hello.applied.as_ref().map(|a| (a.brain_epoch, a.generation)), "node connected");
+        tracing::info!(node = %hello.node, %peer, version = %hello.version, applied = ?hello.applied.as_ref().map(|a| (a.brain_epoch, a.generation)), "node connected");
         let (tx, rx) = mpsc::channel(1);
         let fanout = self.fanout.clone();
+        let expires = info.identity.expires;
         tokio::spawn(async move {
             let node = hello.node.clone();
-            fanout.set_connected(&node, true, &peer);
-            if let Err(e) = session(&fanout, &hello, inbound, tx).await {
-                tracing::info!(%node, error = %e, "node stream ended");
+            let (id, replaced) = fanout.connect(&node, &peer);
+            let status_tx = tx.clone();
+            let ended = tokio::select! {
+                r = session(&fanout, &hello, inbound, tx) => r,
+                _ = replaced.notified() => Err(Status::aborted("a newer stream for this node replaced this one")),
+                _ = until(expires) => Err(Status::unauthenticated("the client certificate expired")),
+            };
+            if let Err(e) = ended {
+                tracing::info!(%node, session = id, error = %e, "node stream ended");
+                // Tell the node why, if it still listens.
+                let _ = tokio::time::timeout(Duration::from_secs(1), status_tx.send(Err(e))).await;
             }
-            fanout.set_connected(&node, false, &peer);
+            fanout.disconnect(&node, id);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn list_nodes(
         &self,
-        _request: Request<ListNodesRequest>,
+        request: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
+        let (info, roles) = self.caller(&request)?;
+        // An operator sees every node, a node itself only.
+        let only: Option<Vec<String>> = match roles.listable() {
+            Ok(only) => only.map(<[String]>::to_vec),
+            Err(reason) => return Err(self.refuse(reason, &info, "ListNodes")),
+        };
+        self.fanout
+            .prune_disconnected(Instant::now(), NODE_STATE_GRACE);
         let desired = self.fanout.publication();
         let nodes = self
             .fanout
@@ -89,6 +165,7 @@ impl Dataplane for DataplaneService {
             .map_err(|_| Status::internal("poisoned"))?;
         let mut out: Vec<NodeStatus> = nodes
             .iter()
+            .filter(|(name, _)| only.as_ref().is_none_or(|o| o.contains(name)))
             .map(|(name, st)| NodeStatus {
                 node: name.clone(),
                 connected: st.connected,
@@ -119,7 +196,12 @@ impl Dataplane for DataplaneService {
         &self,
         request: Request<GetNodeRulesetRequest>,
     ) -> Result<Response<GetNodeRulesetResponse>, Status> {
+        let (info, roles) = self.caller(&request)?;
         let node = request.into_inner().node;
+        if let Err(reason) = roles.may_read(&node) {
+            let what = format!("GetNodeRuleset for node {}", auth::bounded(&node, 64));
+            return Err(self.refuse(reason, &info, &what));
+        }
         let desired = self.fanout.publication();
         let held = desired
             .held(&node)
@@ -207,6 +289,7 @@ async fn session(
             }))) => ack,
             Ok(other) => return unexpected(other),
         };
+        let ack = bounded_ack(ack);
         if ack.generation != generation {
             return Err(Status::invalid_argument(format!(
                 "ack for generation {} while {} is outstanding",
@@ -255,6 +338,23 @@ impl NackBackoff {
             _ = tokio::time::sleep_until(self.retry_at.into()) => {}
             _ = desired.wait_for(|p| self.may_retry(Instant::now(), p.version)) => {}
         }
+    }
+}
+
+/// Resolves when `at` (a certificate's expiry) has passed; never without one.
+async fn until(at: Option<std::time::SystemTime>) {
+    let Some(at) = at else {
+        return std::future::pending().await;
+    };
+    loop {
+        let left = at
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default();
+        if left.is_zero() {
+            return;
+        }
+        // Clamped, so a far expiry cannot overflow the timer; checked again on waking.
+        tokio::time::sleep(left.min(Duration::from_secs(24 * 3600))).await;
     }
 }
 

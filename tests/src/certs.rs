@@ -2,7 +2,9 @@
 //!
 //! The brain and the actuators talk mTLS, and the actuator's client certificate decides which
 //! node's state it may receive ("node scoped", docs/invariants.md), so end-to-end tests need a CA, a brain serving
-//! certificate and one client certificate per node whose CN (and a DNS SAN) is the node name.
+//! certificate and one client certificate per node whose CN (and a DNS SAN) is the node name, in
+//! the brain's node group ([`Pki::node_cert`]); operators' certificates are in its operator
+//! group ([`Pki::operator_cert`]) (docs/protocol.md, "Who may call what").
 //! The control plane uses the same CA for the API server's serving certificate and for client
 //! authentication. Keys are ECDSA P-256 in PKCS#8 PEM, which rustls, Go and kube-apiserver read.
 
@@ -23,6 +25,11 @@ pub struct CertPair {
     pub cert_pem: String,
     pub key_pem: String,
 }
+
+/// The group (certificate Organization) of node certificates: the brain's `--node-group` default.
+pub const NODE_GROUP: &str = splitproxy_brain::auth::DEFAULT_NODE_GROUP;
+/// The group of operator certificates: the brain's `--operator-group` default.
+pub const OPERATOR_GROUP: &str = splitproxy_brain::auth::DEFAULT_OPERATOR_GROUP;
 
 /// Paths of a written CA certificate, certificate and key.
 #[derive(Clone, Debug)]
@@ -83,14 +90,43 @@ impl Pki {
         self.sign(params)
     }
 
-    /// A client certificate with CN `common_name` and a DNS SAN of the same name (the node
-    /// name, for actuators).
+    /// A client certificate with CN `common_name` and a DNS SAN of the same name, in no group:
+    /// the brain refuses it (see [`Pki::node_cert`] and [`Pki::operator_cert`]).
     pub fn client_cert(&self, common_name: &str) -> Result<CertPair> {
         self.client_cert_with_groups(common_name, &[])
     }
 
-    /// A client certificate with CN `common_name`, a DNS SAN of the same name, and one
-    /// organization per group (Kubernetes maps O to groups, e.g. "system:masters").
+    /// An actuator's certificate: CN and DNS SAN `node`, in the node group.
+    pub fn node_cert(&self, node: &str) -> Result<CertPair> {
+        self.client_cert_with_groups(node, &[NODE_GROUP])
+    }
+
+    /// An operator's certificate (grpcurl, tests reading `ListNodes`), in the operator group.
+    pub fn operator_cert(&self, name: &str) -> Result<CertPair> {
+        self.client_cert_with_groups(name, &[OPERATOR_GROUP])
+    }
+
+    /// A node certificate that expires `valid_for` from now (for tests of what happens then).
+    pub fn node_cert_expiring(
+        &self,
+        node: &str,
+        valid_for: std::time::Duration,
+    ) -> Result<CertPair> {
+        let mut params = leaf_params(&[node])?;
+        params.distinguished_name.push(DnType::CommonName, node);
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, NODE_GROUP);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let now = std::time::SystemTime::now();
+        params.not_before = (now - std::time::Duration::from_secs(60)).into();
+        params.not_after = (now + valid_for).into();
+        self.sign(params)
+    }
+
+    /// A client certificate with CN `common_name`, a DNS SAN of the same name, and an
+    /// organization for the group (Kubernetes maps O to groups, e.g. "system:masters"). rcgen
+    /// writes one Organization per subject: with several groups, the last one is kept.
     pub fn client_cert_with_groups(&self, common_name: &str, groups: &[&str]) -> Result<CertPair> {
         let mut params = leaf_params(&[common_name])?;
         params

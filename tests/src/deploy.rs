@@ -20,14 +20,18 @@ pub fn brain_port_in_node(i: usize) -> u16 {
     9443 + i as u16
 }
 
-/// Where actuators serve /healthz, /readyz and /metrics inside their node namespace (the
-/// address to reach them at from the node).
+/// Where actuators serve /healthz and /readyz inside their node namespace (the address to reach
+/// them at from the node).
 pub const ACTUATOR_HEALTHZ: &str = "127.0.0.1:10256";
 
-/// What actuators bind for /healthz, /readyz and /metrics: every address of the node, both
-/// families, like kube-proxy's default `0.0.0.0:10256`, so that external clients can health
-/// check nodes as load balancers do.
+/// What actuators bind for /healthz and /readyz: every address of the node, both families, like
+/// kube-proxy's default `0.0.0.0:10256`, so that external clients can health check nodes as load
+/// balancers do.
 pub const ACTUATOR_HEALTHZ_BIND: &str = "[::]:10256";
+
+/// Where actuators serve /metrics: the node's loopback only, as kube-proxy's default
+/// `127.0.0.1:10249` (read from inside the namespace, [`http_get_in`]).
+pub const ACTUATOR_METRICS: &str = "127.0.0.1:10249";
 
 /// A brain process listening on host loopback.
 pub struct Brain {
@@ -41,19 +45,36 @@ pub struct Brain {
 
 // The brain's own configuration types: tests build them directly, and the brain renders them to
 // its flags (`BrainConfig::to_args`), so nothing here describes a flag a second time.
-pub use splitproxy_brain::config::{BrainConfig, TlsPaths, Tuning};
+pub use splitproxy_brain::config::{BrainConfig, Surface, TlsPaths, Tuning};
 pub use splitproxy_brain::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
 
 /// How a brain is started besides its certificates, addresses and API server, which
 /// [`Brain::start`] fills in.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct BrainOptions {
     /// What the rulesets say: service CIDRs, the kube-proxy-like settings, the table.
     pub rules: RulesConfig,
     /// How the brain paces and sizes its work.
     pub tuning: Tuning,
+    /// Its groups and connection bounds. Default: the brain's, except that one peer address
+    /// may hold as many connections as the total bound, because in the harness every node
+    /// (real ones through their forwarders, virtual ones directly) connects from 127.0.0.1.
+    pub surface: Surface,
     /// Flags a person wrote (lab.yaml's `brainArgs`), passed verbatim after the typed ones.
     pub extra_args: Vec<String>,
+}
+
+impl Default for BrainOptions {
+    fn default() -> Self {
+        let mut surface = Surface::default();
+        surface.limits.max_connections_per_ip = surface.limits.max_connections;
+        BrainOptions {
+            rules: RulesConfig::default(),
+            tuning: Tuning::default(),
+            surface,
+            extra_args: Vec::new(),
+        }
+    }
 }
 
 impl BrainOptions {
@@ -69,6 +90,7 @@ impl BrainOptions {
     pub fn args(&self) -> Vec<String> {
         let mut args = self.rules.to_args();
         args.extend(self.tuning.to_args());
+        args.extend(self.surface.to_args());
         args.extend(self.extra_args.iter().cloned());
         args
     }
@@ -108,6 +130,7 @@ impl Brain {
             log_format: "text".into(),
             rules: opts.rules.clone(),
             tuning: opts.tuning.clone(),
+            surface: opts.surface.clone(),
         };
         let mut cmd = Command::new(exe);
         cmd.arg("brain")
@@ -173,7 +196,7 @@ impl Actuator {
         dir: &Path,
     ) -> Result<Actuator> {
         std::fs::create_dir_all(dir)?;
-        let tls = pki.write(dir, &format!("actuator-{node}"), &pki.client_cert(node)?)?;
+        let tls = pki.write(dir, &format!("actuator-{node}"), &pki.node_cert(node)?)?;
         let mut forwarders = Vec::new();
         let mut urls = Vec::new();
         for (i, b) in brains.iter().enumerate() {
@@ -196,7 +219,7 @@ impl Actuator {
             .arg("--healthz-bind-address")
             .arg(ACTUATOR_HEALTHZ_BIND)
             .arg("--metrics-bind-address")
-            .arg(ACTUATOR_HEALTHZ_BIND)
+            .arg(ACTUATOR_METRICS)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

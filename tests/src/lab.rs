@@ -44,7 +44,8 @@ use crate::Result;
 use crate::certs::Pki;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
 use crate::deploy::{
-    ACTUATOR_HEALTHZ, Actuator, Brain, BrainOptions, DetectLocalMode, RulesConfig, http_get_in,
+    ACTUATOR_HEALTHZ, ACTUATOR_METRICS, Actuator, Brain, BrainOptions, DetectLocalMode,
+    RulesConfig, http_get_in,
 };
 use crate::netns::Netns;
 use crate::podserver::PodServer;
@@ -355,7 +356,7 @@ impl Lab {
         })
         .await?;
         let pki = Pki::new("splitproxy-lab")?;
-        let operator_tls = pki.write(&dir, "operator", &pki.client_cert("operator")?)?;
+        let operator_tls = pki.write(&dir, "operator", &pki.operator_cert("operator")?)?;
         let mut lab = Lab {
             cp,
             cluster,
@@ -613,7 +614,7 @@ impl Lab {
     /// The actuator's /metrics text for node `i`.
     pub fn actuator_metrics(&self, i: usize) -> Result<String> {
         let ns = self.cluster.node(i).netns();
-        Ok(http_get_in(ns, ACTUATOR_HEALTHZ.parse()?, "/metrics")?.1)
+        Ok(http_get_in(ns, ACTUATOR_METRICS.parse()?, "/metrics")?.1)
     }
 
     /// The Node object the lab writes for node `i`: hostname and zone labels, both pod CIDRs,

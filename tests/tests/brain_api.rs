@@ -77,7 +77,7 @@ fn brain_for(cp: &ControlPlane, name: &str) -> Fixture {
         .write(
             dir.path(),
             "operator",
-            &pki.client_cert("operator").unwrap(),
+            &pki.operator_cert("operator").unwrap(),
         )
         .unwrap();
     Fixture {
@@ -128,7 +128,7 @@ async fn no_update_before_the_initial_lists_complete() {
     let dir = tempfile::tempdir().unwrap();
     let pki = Pki::new("gate").unwrap();
     let node_tls = pki
-        .write(dir.path(), "node-0", &pki.client_cert("node-0").unwrap())
+        .write(dir.path(), "node-0", &pki.node_cert("node-0").unwrap())
         .unwrap();
 
     // A brain whose API server is unreachable serves nobody: no update, not ready.
@@ -340,7 +340,7 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
         .write(
             &dir.path().join("other"),
             "node-0",
-            &other.client_cert("node-0").unwrap(),
+            &other.node_cert("node-0").unwrap(),
         )
         .unwrap();
     foreign.ca = op.ca.clone(); // it trusts the brain, but the brain does not trust it
@@ -358,7 +358,7 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
 
     // A valid certificate for node-0 may not receive node-1's state.
     let node0 = pki
-        .write(dir.path(), "node-0", &pki.client_cert("node-0").unwrap())
+        .write(dir.path(), "node-0", &pki.node_cert("node-0").unwrap())
         .unwrap();
     let err = match sync_as(&brain, &node0, "node-1").await {
         Err(s) => s,

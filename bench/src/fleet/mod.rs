@@ -34,7 +34,7 @@ pub async fn issue(pki: &Arc<Pki>, names: &[String]) -> anyhow::Result<Vec<Fleet
         tasks.push(tokio::task::spawn_blocking(move || {
             part.into_iter()
                 .map(|name| {
-                    let pair = pki.client_cert(&name)?;
+                    let pair = pki.node_cert(&name)?;
                     Ok(FleetNode {
                         name,
                         cert_pem: pair.cert_pem.into_bytes(),

@@ -549,3 +549,48 @@ fn a_publication_that_changes_nothing_is_dropped() {
     // A changed shared model too.
     assert_eq!(publish(&f, model([1, 2]), &o2, 4), 3);
 }
+
+// ---- sessions ----
+
+/// A second session for a node replaces the first, which is told to end; the first ending
+/// afterwards leaves the node connected, and only the current session's end disconnects it.
+#[tokio::test]
+async fn only_the_current_session_disconnects_its_node() {
+    let f = fanout();
+    let (old, old_end) = f.connect("n1", "peer-1");
+    let (new, _new_end) = f.connect("n1", "peer-2");
+    assert_ne!(old, new);
+    tokio::time::timeout(std::time::Duration::from_secs(1), old_end.notified())
+        .await
+        .expect("the replaced session is told to end");
+    f.disconnect("n1", old);
+    let connected = |f: &Fanout| f.nodes.lock().unwrap()["n1"].connected;
+    assert!(
+        connected(&f),
+        "a replaced session ending leaves the node connected"
+    );
+    assert_eq!(f.nodes.lock().unwrap()["n1"].peer, "peer-2");
+    f.disconnect("n1", new);
+    assert!(!connected(&f));
+}
+
+/// Disconnected nodes the cluster does not know are forgotten after the grace period; nodes of
+/// the cluster stay listed, and so do connected ones.
+#[test]
+fn disconnected_strangers_are_pruned_cluster_nodes_stay() {
+    use std::time::{Duration, Instant};
+    let f = fanout();
+    publish(&f, model([1]), &overlays(&[("member", 1)]), 1);
+    for n in ["member", "stranger", "live"] {
+        f.set_connected(n, true, "peer");
+    }
+    f.set_connected("member", false, "peer");
+    f.set_connected("stranger", false, "peer");
+    let grace = Duration::from_secs(60);
+    f.prune_disconnected(Instant::now(), grace);
+    assert_eq!(f.nodes.lock().unwrap().len(), 3, "within the grace period");
+    f.prune_disconnected(Instant::now() + grace * 2, grace);
+    let mut left: Vec<String> = f.nodes.lock().unwrap().keys().cloned().collect();
+    left.sort();
+    assert_eq!(left, ["live", "member"]);
+}

@@ -73,7 +73,7 @@ pub enum Command {
     Down,
     /// Run a brain (same as splitproxy-brain).
     #[command(hide = true)]
-    Brain(splitproxy_brain::config::Args),
+    Brain(Box<splitproxy_brain::config::Args>),
     /// Run an actuator (same as splitproxy-actuator).
     #[command(hide = true)]
     Actuator(splitproxy_actuator::config::Args),

@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
     let cli = cli::Cli::parse();
     match cli.command {
         cli::Command::Brain(args) => {
-            let config = splitproxy_brain::config::BrainConfig::try_from(args)?;
+            let config = splitproxy_brain::config::BrainConfig::try_from(*args)?;
             splitproxy_brain::init_logging(&config.log_format);
             runtime()?.block_on(splitproxy_brain::run::run(config))
         }
