@@ -5,6 +5,8 @@
 //!
 //! The applier talks to the kernel through [`kernel::Kernel`], so that its decisions (what to
 //! send, what to keep when the kernel refuses) are tested without one (apply/tests.rs).
+#[cfg(test)]
+mod fuzz_tests;
 pub mod kernel;
 #[cfg(test)]
 mod tests;
@@ -155,7 +157,11 @@ impl<K: Kernel> Applier<K> {
                 let mut next = self.model.clone();
                 next.apply(d);
                 self.check_digest(update, &next)?;
-                let batch = self.batch(&self.model, &d.upsert, &d.remove)?;
+                // Encode the difference of the models, not the delta as sent: a delta may say
+                // things twice or out of order (a table removed and upserted, a set redefined
+                // in place, an element listed twice), and the kernel must hold exactly `next`.
+                let diff = self.model.diff(&next);
+                let batch = self.batch(&self.model, &diff.upsert, &diff.remove)?;
                 self.commit(update, next, batch)
             }
         }
@@ -330,7 +336,13 @@ impl<K: Kernel> Applier<K> {
                 .filter(|r| (r.family, &r.name) == (up.family, &up.name))
                 .flat_map(|r| r.sets.iter())
                 .collect();
-            if !base.tables.contains_key(&key) {
+            // A new comment on an existing table is checked like a new table's; the kernel
+            // keeps the old text (it updates only a table's flags).
+            if base
+                .tables
+                .get(&key)
+                .is_none_or(|t| t.comment != up.comment)
+            {
                 b.add_table(fam(up.family), &up.name, &up.comment);
             }
             for c in up
@@ -423,6 +435,22 @@ impl<K: Kernel> Applier<K> {
         for rm in remove.iter().filter(|r| !r.whole) {
             for c in &rm.chains {
                 b.flush_chain(fam(rm.family), &rm.name, c);
+            }
+        }
+        // 3b. Chains whose hook, type, priority, policy or comment change. The kernel changes
+        //     only a base chain's policy in place and silently keeps the rest, so they are
+        //     deleted (flushed above) and re-created; one still referenced is refused whole.
+        for up in upsert {
+            let Some(old) = base.tables.get(&(up.family(), up.name.clone())) else {
+                continue;
+            };
+            for c in &up.chains {
+                if let Some(o) = old.chains.get(&c.name)
+                    && (o.base != c.base || o.comment != c.comment)
+                {
+                    b.del_chain(fam(up.family), &up.name, &c.name);
+                    b.add_chain(fam(up.family), &up.name, c);
+                }
             }
         }
         // 4. Sets that go away (their users were flushed above); re-created ones come back.

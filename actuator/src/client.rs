@@ -399,8 +399,9 @@ async fn stream<K: Kernel + Send + 'static>(
         let Some(p) = pending.take() else { continue };
         let work = match (p.snapshot, p.deltas) {
             (Some(model), deltas) if deltas.is_empty() => Work::Snapshot(p.meta, model),
+            // Delta parts only join (no body at all: the applier refuses it, a NACK).
             (None, deltas) => Work::Update(Update {
-                body: Some(splitproxy_proto::parts::join(deltas)?),
+                body: splitproxy_proto::parts::join(deltas).ok(),
                 ..p.meta
             }),
             _ => anyhow::bail!("update mixes snapshot and delta parts"),

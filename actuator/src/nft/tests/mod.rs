@@ -4,7 +4,7 @@
 pub(crate) mod fixture;
 
 mod crosscheck;
-mod dump;
+pub(crate) mod dump;
 mod kernel;
 mod kernel_ct;
 pub(crate) mod netns;
