@@ -286,7 +286,7 @@ impl Fanout {
             }
         });
         let own = match base {
-            Some(b) => Body::Delta(b.overlay.diff(&target.overlay)),
+            Some(b) => Body::Delta(crate::overlay::delta(&b.overlay, &target.overlay)),
             None => Body::Snapshot(target.overlay.to_ruleset()),
         };
         let node_part = encode_node_part(own, target.digest());

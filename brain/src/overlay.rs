@@ -17,6 +17,7 @@ use std::sync::Arc;
 use prost::Message;
 use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
+use splitproxy_proto::v1::{Element, RulesetDelta, SetElements, TableRemoval};
 
 use crate::desired::SharedRuleset;
 use crate::index::Index;
@@ -438,4 +439,64 @@ fn replace(overlay: &mut NodeOverlay, desired: &mut SharedRuleset, old: &Share, 
             desired.release(family, *d);
         }
     }
+}
+
+/// What a node must apply to its table to go from overlay `base` to overlay `target`: element
+/// changes only.
+///
+/// An overlay holds elements in sets (and a table) that the shared model defines; it carries
+/// the definitions only so that its elements can be sent. Which definitions an overlay holds
+/// depends on its history: an incremental update keeps a set it emptied, a rebuild (after a
+/// relist) creates only the sets it puts elements in. A plain [`Model::diff`] of two overlays
+/// would then remove a set or the whole table, and on the node, where the overlay and the
+/// shared model are one table, that removes the shared set (or table) with it: the node's
+/// digest differs from the brain's and it NACKs until a snapshot. So what an overlay no longer
+/// holds is removed element by element, and sets and tables are left to the shared model.
+pub fn delta(base: &Model, target: &Model) -> RulesetDelta {
+    let mut d = base.diff(target);
+    let mut extra: Vec<TableRemoval> = Vec::new();
+    d.remove.retain_mut(|rm| {
+        let key: TableKey = (rm.family(), rm.name.clone());
+        let Some(old) = base.tables.get(&key) else {
+            return false;
+        };
+        let gone: Vec<String> = if rm.whole {
+            old.sets.keys().cloned().collect()
+        } else {
+            // A set whose definition changed is removed and sent again whole (the shared
+            // model does the same); one that went from the overlay only loses its elements.
+            let recreated = |name: &String| target.set(&key, name).is_some();
+            let (keep, gone): (Vec<String>, Vec<String>) = std::mem::take(&mut rm.sets)
+                .into_iter()
+                .partition(recreated);
+            rm.sets = keep;
+            gone
+        };
+        let elements = gone.iter().filter_map(|name| {
+            let sm = old.sets.get(name)?;
+            let keys: Vec<Element> = sm
+                .elements
+                .keys()
+                .filter_map(|k| Element::decode(&k[..]).ok())
+                .collect();
+            (!keys.is_empty()).then(|| SetElements {
+                set: name.clone(),
+                elements: keys,
+            })
+        });
+        if rm.whole {
+            extra.push(TableRemoval {
+                family: rm.family,
+                name: rm.name.clone(),
+                elements: elements.collect(),
+                ..Default::default()
+            });
+            return false;
+        }
+        rm.elements.extend(elements);
+        !(rm.chains.is_empty() && rm.sets.is_empty() && rm.elements.is_empty())
+    });
+    d.remove
+        .extend(extra.into_iter().filter(|rm| !rm.elements.is_empty()));
+    d
 }
