@@ -5,6 +5,7 @@
 pub mod config;
 pub mod desired;
 pub mod fanout;
+pub mod freshness;
 pub mod http;
 pub mod index;
 pub mod metrics;

@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::fanout::{Fanout, Next, Publication};
+use crate::freshness::Freshness;
 use crate::tls;
 
 /// How long the brain waits for an ack before it gives up on the stream.
@@ -28,6 +29,9 @@ pub struct DataplaneService {
     pub fanout: Arc<Fanout>,
     /// Require the client certificate to name the node (off only for tests of other parts).
     pub verify_node_identity: bool,
+    /// The last contact with the API server, for ListNodes (the fan-out carries whether the
+    /// brain is stale).
+    pub freshness: Arc<Freshness>,
 }
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<UpdateFrame, Status>> + Send>>;
@@ -45,6 +49,7 @@ impl Dataplane for DataplaneService {
             .map(|a| a.to_string())
             .unwrap_or_default();
         let identities = tls::peer_identities(&request);
+        self.refuse_if_stale()?;
         let mut inbound = request.into_inner();
         let hello = match inbound.next().await {
             Some(Ok(SyncRequest {
@@ -66,11 +71,24 @@ impl Dataplane for DataplaneService {
         tracing::info!(node = %hello.node, %peer, applied = ?hello.applied.as_ref().map(|a| (a.brain_epoch, a.generation)), "node connected");
         let (tx, rx) = mpsc::channel(1);
         let fanout = self.fanout.clone();
+        let freshness = self.freshness.clone();
         tokio::spawn(async move {
             let node = hello.node.clone();
             fanout.set_connected(&node, true, &peer);
-            if let Err(e) = session(&fanout, &hello, inbound, tx).await {
+            fanout.hello(&node, hello.applied.as_ref());
+            let end = tx.clone();
+            let result = tokio::select! {
+                r = session(&fanout, &hello, inbound, tx) => r,
+                () = until_stale(&fanout) => Err(stale_status(&freshness)),
+            };
+            if let Err(e) = result {
                 tracing::info!(%node, error = %e, "node stream ended");
+                if e.code() == tonic::Code::Unavailable {
+                    // The node is told why, and moves to another replica (never silently
+                    // stale). The channel holds at most one frame; a node that reads nothing
+                    // is not waited for.
+                    let _ = tokio::time::timeout(Duration::from_secs(1), end.send(Err(e))).await;
+                }
             }
             fanout.set_connected(&node, false, &peer);
         });
@@ -82,6 +100,7 @@ impl Dataplane for DataplaneService {
         _request: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
         let desired = self.fanout.publication();
+        let now = Instant::now();
         let nodes = self
             .fanout
             .nodes
@@ -104,14 +123,17 @@ impl Dataplane for DataplaneService {
                     .acked
                     .as_ref()
                     .is_some_and(|h| h.version == desired.version),
+                lag: self.fanout.lag(st, desired.version, now).try_into().ok(),
             })
             .collect();
         out.sort_by(|a, b| a.node.cmp(&b.node));
         Ok(Response::new(ListNodesResponse {
             brain_epoch: self.fanout.epoch,
-            synced: self.fanout.synced(),
+            synced: self.fanout.serving(),
             nodes: out,
             desired_version: desired.version,
+            stale: !self.fanout.fresh(),
+            api_contact_age: self.freshness.age().try_into().ok(),
         }))
     }
 
@@ -130,6 +152,35 @@ impl Dataplane for DataplaneService {
             nft: splitproxy_proto::render::ruleset(&ruleset),
             ruleset: Some(ruleset),
         }))
+    }
+}
+
+impl DataplaneService {
+    /// A stale brain takes no node: it answers UNAVAILABLE, and the actuator tries the next
+    /// brain ("never silently stale").
+    fn refuse_if_stale(&self) -> Result<(), Status> {
+        if self.fanout.fresh() {
+            Ok(())
+        } else {
+            Err(stale_status(&self.freshness))
+        }
+    }
+}
+
+/// Why a stale brain closes or refuses a stream.
+fn stale_status(freshness: &Freshness) -> Status {
+    Status::unavailable(format!(
+        "brain is stale: no contact with the API server for {:.1}s (bound {:.1}s); try another brain",
+        freshness.age().as_secs_f64(),
+        freshness.bound().as_secs_f64()
+    ))
+}
+
+/// Resolves when the brain turns stale (never, if the fan-out goes away first).
+async fn until_stale(fanout: &Fanout) {
+    let mut fresh = fanout.subscribe_fresh();
+    if fresh.wait_for(|f| !*f).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
