@@ -118,18 +118,23 @@ pub async fn run(
 /// are the ServiceCIDR objects' (networking.k8s.io/v1), as kube-proxy's nftables mode reads
 /// them; an API server that does not serve them (before Kubernetes 1.33) must not hold the
 /// brain unsynced forever.
+/// Bounded, so that an unreachable API server cannot keep the watches (and the probe) from
+/// starting.
 async fn serves_service_cidrs(client: &Client) -> bool {
-    match Api::<ServiceCIDR>::all(client.clone())
-        .list(&kube::api::ListParams::default().limit(1))
-        .await
-    {
-        Ok(_) => true,
-        Err(kube::Error::Api(e)) if e.code == 404 => {
+    let list = Api::<ServiceCIDR>::all(client.clone());
+    let params = kube::api::ListParams::default().limit(1);
+    match tokio::time::timeout(Duration::from_secs(10), list.list(&params)).await {
+        Ok(Ok(_)) => true,
+        Ok(Err(kube::Error::Api(e))) if e.code == 404 => {
             tracing::info!("the API server serves no ServiceCIDRs and --service-cidr is unset");
             false
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             tracing::warn!(error = %e, "listing ServiceCIDRs failed; watching them anyway");
+            true
+        }
+        Err(_) => {
+            tracing::warn!("listing ServiceCIDRs got no answer within 10 s; watching them anyway");
             true
         }
     }
