@@ -122,7 +122,7 @@ pub struct Args {
     pub api_staleness_bound_ms: u64,
     /// How often the brain probes the API server (`GET /version`, milliseconds), so that an
     /// idle cluster, whose watches carry nothing, is not taken for a partition. While the API
-    /// server does not answer, it probes four times as often, to resume as soon as it does.
+    /// server does not answer, it probes eight times as often, to resume as soon as it does.
     #[arg(long, default_value_t = DEFAULT_API_PROBE_INTERVAL_MS)]
     pub api_probe_interval_ms: u64,
     /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once

@@ -326,7 +326,7 @@ where
     })
 }
 
-/// Probes the API server (`GET /version`) every `interval` (four times as often while it does
+/// Probes the API server (`GET /version`) every `interval` (eight times as often while it does
 /// not answer), each probe bounded by `interval`, and reports every outcome. After a failure
 /// the next probe uses a new client: a blackholed connection kept in the old one's pool must
 /// not fail the probes after the path is back.
@@ -365,7 +365,7 @@ async fn probe(
         if tx.send(Input::Probe(outcome)).await.is_err() {
             return;
         }
-        tokio::time::sleep(if answered { interval } else { interval / 4 }).await;
+        tokio::time::sleep(if answered { interval } else { interval / 8 }).await;
     }
 }
 
