@@ -500,3 +500,64 @@ pub fn delta(base: &Model, target: &Model) -> RulesetDelta {
         .extend(extra.into_iter().filter(|rm| !rm.elements.is_empty()));
     d
 }
+
+#[cfg(test)]
+mod tests {
+    use splitproxy_proto::v1::{DataType, Datum, Family, Ruleset, Set, Table, datum};
+
+    use super::*;
+
+    fn element(i: u32) -> Element {
+        Element {
+            key: vec![Datum {
+                value: Some(datum::Value::U32(i)),
+            }],
+            ..Element::default()
+        }
+    }
+
+    /// One table with sets `s` and `u` holding these elements.
+    fn model(s: &[u32], u: &[u32]) -> Model {
+        let set = |name: &str, elements: &[u32]| Set {
+            name: name.into(),
+            key: vec![DataType::Integer as i32],
+            elements: elements.iter().copied().map(element).collect(),
+            ..Set::default()
+        };
+        Model::from_ruleset(&Ruleset {
+            tables: vec![Table {
+                family: Family::Ip as i32,
+                name: "splitproxy".into(),
+                sets: vec![set("s", s), set("u", u)],
+                ..Table::default()
+            }],
+        })
+    }
+
+    /// An overlay that no longer holds a set, or anything at all, loses its elements on the
+    /// node; the sets and the table, which the shared model owns, stay.
+    #[test]
+    fn an_overlay_delta_never_removes_sets_or_tables() {
+        let shared = model(&[1], &[2]);
+        let base = model(&[10, 11], &[20]);
+        let node = |overlay: &Model| {
+            let mut m = shared.clone();
+            m.apply(&Model::default().diff(overlay));
+            m
+        };
+        let mut only_s = base.clone();
+        let table = (Family::Ip, "splitproxy".to_string());
+        only_s.remove_set(&table, "u");
+        for target in [only_s, Model::default()] {
+            let d = delta(&base, &target);
+            assert!(
+                d.remove.iter().all(|r| !r.whole && r.sets.is_empty()),
+                "{d:?}"
+            );
+            let mut held = node(&base);
+            held.apply(&d);
+            assert_eq!(held.digest(), shared.digest_with(&target));
+            assert!(held.set(&table, "u").is_some(), "the shared set stays");
+        }
+    }
+}
