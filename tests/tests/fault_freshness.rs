@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use splitproxy_proto::v1::{ListNodesRequest, ListNodesResponse};
+use splitproxy_proto::v1::{Hello, ListNodesRequest, ListNodesResponse, SyncRequest, sync_request};
 use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
 use splitproxy_tests::{Pod, ProbeResult, Proto, probe_async};
+use tokio_stream::StreamExt;
 
 /// The Service the tests change: web-a on node-0, web-b on node-1.
 const WEB: &str = "10.96.3.10:80";
@@ -257,6 +258,29 @@ async fn a_brain_cut_off_from_the_api_server_hands_its_nodes_to_a_current_one() 
         splitproxy_tests::deploy::metric(&m, "splitproxy_brain_stale"),
         Some(1.0)
     );
+    // And refuses a node that tries it.
+    let tls = lab
+        .pki
+        .write(
+            lab.dir(),
+            "probe-node-0",
+            &lab.pki.client_cert("node-0").unwrap(),
+        )
+        .unwrap();
+    let mut node_client = splitproxy_tests::deploy::grpc_client(lab.brain(cut).grpc, &tls)
+        .await
+        .unwrap();
+    let hello = SyncRequest {
+        msg: Some(sync_request::Msg::Hello(Hello {
+            node: "node-0".into(),
+            ..Default::default()
+        })),
+    };
+    let outbound = tokio_stream::iter(vec![hello]).chain(tokio_stream::pending());
+    match node_client.sync(outbound).await {
+        Err(status) => assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}"),
+        Ok(_) => panic!("a stale brain accepted a node's stream"),
+    }
     eprintln!(
         "brain-{cut} reports its last contact with the API server {}s ago, {:?} after the cut",
         age.seconds,
