@@ -27,6 +27,12 @@ use crate::index::{Indexer, WatchEvent};
 use crate::metrics::Metrics;
 use crate::rules::RulesConfig;
 
+/// The API server ends each watch request after this long and the watch resumes from where it
+/// was (no relist). kube-runtime also gives up on a watch silent for this long plus 5 s, so a
+/// watch connection that died without an error while the probe still answers (a middlebox that
+/// lost its state) is replaced within about a minute, not the default five.
+const WATCH_TIMEOUT_SECS: u32 = 60;
+
 /// What the watch task is told.
 enum Input {
     /// An event of the watches of this generation (events of replaced watches are dropped).
@@ -62,7 +68,7 @@ pub async fn run(
         }
     };
     let (tx, mut rx) = mpsc::channel(4096);
-    let mut wc = watcher::Config::default();
+    let mut wc = watcher::Config::default().timeout(WATCH_TIMEOUT_SECS);
     if options.streaming_lists {
         wc = wc.streaming_lists();
     }
