@@ -30,6 +30,10 @@ pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 20_000;
 /// `--max-connections-per-ip`' default: a node needs one connection.
 pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
+/// `--api-staleness-bound-ms`' default.
+pub const DEFAULT_API_STALENESS_BOUND_MS: u64 = 10_000;
+/// `--api-probe-interval-ms`' default.
+pub const DEFAULT_API_PROBE_INTERVAL_MS: u64 = 2_000;
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -135,6 +139,17 @@ pub struct Args {
     /// through a source NAT.
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS_PER_IP)]
     pub max_connections_per_ip: usize,
+    /// How long the brain may go without a confirmed contact with the API server (a watch
+    /// event, or an answer to its probe) before it stops claiming to be current (milliseconds):
+    /// past it, /readyz and gRPC health turn, ListNodes says stale, and node streams are closed
+    /// and refused so that nodes move to a replica that is current ("never silently stale").
+    #[arg(long, default_value_t = DEFAULT_API_STALENESS_BOUND_MS)]
+    pub api_staleness_bound_ms: u64,
+    /// How often the brain probes the API server (`GET /version`, milliseconds), so that an
+    /// idle cluster, whose watches carry nothing, is not taken for a partition. While the API
+    /// server does not answer, it probes eight times as often, to resume as soon as it does.
+    #[arg(long, default_value_t = DEFAULT_API_PROBE_INTERVAL_MS)]
+    pub api_probe_interval_ms: u64,
     /// Write the addresses actually bound (`grpc=ADDR`, `metrics=ADDR`) to this file once
     /// listening; with port 0 this lets a supervisor learn the ports without races.
     #[arg(long)]
@@ -231,6 +246,10 @@ pub struct Tuning {
     pub update_part_elements: usize,
     /// `--min-publish-interval-ms`: changes within it are folded into one update per node.
     pub min_publish_interval: Duration,
+    /// `--api-staleness-bound-ms`: see [`crate::freshness`].
+    pub api_staleness_bound: Duration,
+    /// `--api-probe-interval-ms`: see [`crate::freshness`].
+    pub api_probe_interval: Duration,
 }
 
 impl Default for Tuning {
@@ -240,6 +259,8 @@ impl Default for Tuning {
             max_concurrent_snapshots: DEFAULT_MAX_CONCURRENT_SNAPSHOTS,
             update_part_elements: DEFAULT_UPDATE_PART_ELEMENTS,
             min_publish_interval: Duration::from_millis(DEFAULT_MIN_PUBLISH_INTERVAL_MS),
+            api_staleness_bound: Duration::from_millis(DEFAULT_API_STALENESS_BOUND_MS),
+            api_probe_interval: Duration::from_millis(DEFAULT_API_PROBE_INTERVAL_MS),
         }
     }
 }
@@ -292,6 +313,8 @@ impl TryFrom<Args> for BrainConfig {
                 max_concurrent_snapshots: args.max_concurrent_snapshots,
                 update_part_elements: args.update_part_elements,
                 min_publish_interval: Duration::from_millis(args.min_publish_interval_ms),
+                api_staleness_bound: Duration::from_millis(args.api_staleness_bound_ms),
+                api_probe_interval: Duration::from_millis(args.api_probe_interval_ms),
             },
             surface: Surface {
                 groups: crate::auth::Groups {
@@ -396,6 +419,10 @@ impl Tuning {
             self.update_part_elements.to_string(),
             "--min-publish-interval-ms".into(),
             self.min_publish_interval.as_millis().to_string(),
+            "--api-staleness-bound-ms".into(),
+            self.api_staleness_bound.as_millis().to_string(),
+            "--api-probe-interval-ms".into(),
+            self.api_probe_interval.as_millis().to_string(),
         ]
     }
 }
@@ -468,6 +495,8 @@ mod tests {
                 max_concurrent_snapshots: 3,
                 update_part_elements: 7,
                 min_publish_interval: Duration::from_millis(1500),
+                api_staleness_bound: Duration::from_millis(4500),
+                api_probe_interval: Duration::from_millis(700),
             },
             surface: Surface {
                 groups: crate::auth::Groups {
@@ -515,6 +544,8 @@ mod tests {
             "--tls-handshake-timeout-ms=2500",
             "--max-connections=9",
             "--max-connections-per-ip=4",
+            "--api-staleness-bound-ms=4500",
+            "--api-probe-interval-ms=700",
         ]));
         assert_eq!(format!("{by_hand:?}"), format!("{expected:?}"));
         // config -> args -> config.

@@ -29,6 +29,9 @@ const CHANGE_LOG: usize = 4096;
 const BODY_CACHE: usize = 512;
 /// Publications whose fan-out is still being timed.
 const FANOUT_TRACKED: usize = 1024;
+/// A connected node behind the latest publication for longer than this counts as lagging
+/// (`splitproxy_brain_nodes_lagging`).
+pub const LAG_THRESHOLD: Duration = Duration::from_secs(5);
 
 /// One published desired state: the ruleset every node shares, and each node's own elements.
 #[derive(Debug, Clone, Default)]
@@ -103,6 +106,8 @@ impl Publication {
 #[derive(Debug, Clone)]
 struct Change {
     version: u64,
+    /// When it was published: a node lacking it is behind since then.
+    published: Instant,
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
 }
@@ -129,6 +134,17 @@ pub struct NodeState {
     pub end_session: Option<Arc<tokio::sync::Notify>>,
     /// When the last session ended, for [`Fanout::prune_disconnected`].
     pub disconnected_at: Option<Instant>,
+    /// When the current stream opened.
+    pub connected_at: Option<Instant>,
+    /// The newest version the node is known to hold, or the one published when it connected:
+    /// changes after it are news to the node, and only their trigger times are sent to it
+    /// (see [`Fanout::next_update`]).
+    pub news_after: u64,
+    /// The digest the node said it holds in its Hello, until its first ack.
+    pub hello_digest: Vec<u8>,
+    /// While the brain does not know what the node holds (before its first ack, after a NACK):
+    /// since when it has been behind, for its lag.
+    pub behind_since: Option<Instant>,
 }
 
 /// Session ids, unique within the process.
@@ -137,12 +153,13 @@ static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 /// Identifies an encoded body: (base version or 0 for a snapshot, target version).
 type BodyKey = (u64, u64);
 
-/// The shared part of one update, encoded once for every node at the same base: the body's
-/// parts and the tail (trigger times, objects).
+/// The shared part of one update, encoded once for every node at the same base.
 struct EncodedBody {
     parts: Vec<Bytes>,
-    tail: Bytes,
 }
+
+/// Identifies an encoded tail: (the version after which changes are news, target version).
+type TailKey = (u64, u64);
 
 /// A publication whose fan-out is being timed: nodes that were connected when it was published
 /// and have not acked it (or anything newer) yet.
@@ -157,6 +174,11 @@ pub struct Fanout {
     synced_tx: watch::Sender<bool>,
     changes: Mutex<VecDeque<Change>>,
     bodies: Mutex<HashMap<BodyKey, Arc<EncodedBody>>>,
+    /// Encoded tails (trigger times, objects), shared by nodes to whom the same changes are news.
+    tails: Mutex<HashMap<TailKey, Bytes>>,
+    /// Whether the brain's view is recent enough to serve (see [`crate::freshness`]); true
+    /// unless a freshness monitor says otherwise.
+    fresh_tx: watch::Sender<bool>,
     pending: Mutex<BTreeMap<u64, Pending>>,
     /// Recent publications, for nodes that resume by content ([`Fanout::resume_point`]).
     history: History,
@@ -187,6 +209,8 @@ impl Fanout {
             synced_tx,
             changes: Mutex::new(VecDeque::new()),
             bodies: Mutex::new(HashMap::new()),
+            tails: Mutex::new(HashMap::new()),
+            fresh_tx: watch::channel(true).0,
             pending: Mutex::new(BTreeMap::new()),
             history: History::default(),
             nodes: Mutex::new(HashMap::new()),
@@ -220,6 +244,7 @@ impl Fanout {
         if let Ok(mut log) = self.changes.lock() {
             log.push_back(Change {
                 version,
+                published: Instant::now(),
                 trigger_times,
                 objects,
             });
@@ -275,6 +300,28 @@ impl Fanout {
         *self.synced_tx.borrow()
     }
 
+    /// Marks the brain's view current, or stale: no contact with the API server within the
+    /// staleness bound ([`crate::freshness`]). A stale brain closes and refuses node streams.
+    pub fn set_fresh(&self, fresh: bool) {
+        self.metrics
+            .stale
+            .store(u64::from(!fresh), std::sync::atomic::Ordering::Relaxed);
+        self.fresh_tx.send_replace(fresh);
+    }
+
+    pub fn fresh(&self) -> bool {
+        *self.fresh_tx.borrow()
+    }
+
+    pub fn subscribe_fresh(&self) -> watch::Receiver<bool> {
+        self.fresh_tx.subscribe()
+    }
+
+    /// Whether the brain serves nodes: every list complete, and current.
+    pub fn serving(&self) -> bool {
+        self.synced() && self.fresh()
+    }
+
     pub fn subscribe(&self) -> (watch::Receiver<Arc<Publication>>, watch::Receiver<bool>) {
         (self.publication_tx.subscribe(), self.synced_tx.subscribe())
     }
@@ -312,14 +359,17 @@ impl Fanout {
                 Some(b) => Body::Delta(b.shared.diff(&target.shared)),
                 None => Body::Snapshot(target.shared.to_ruleset()),
             };
-            let (trigger_times, objects) = self.changes_between(base_version, desired.version);
             EncodedBody {
                 parts: encode_parts(body, self.part_elements),
-                tail: encode_tail(trigger_times, objects),
             }
         });
+        let news_after = match base {
+            Some(b) => b.version,
+            None => self.news_after(node, &target),
+        };
+        let tail = self.tail((news_after, desired.version));
         let own = match base {
-            Some(b) => Body::Delta(b.overlay.diff(&target.overlay)),
+            Some(b) => Body::Delta(crate::overlay::delta(&b.overlay, &target.overlay)),
             None => Body::Snapshot(target.overlay.to_ruleset()),
         };
         let (generation, base_generation, base_digest) = {
@@ -349,7 +399,7 @@ impl Fanout {
             .iter()
             .map(|part| frame(part.clone(), Bytes::new()))
             .collect();
-        frames.push(frame(shared.tail.clone(), node_part));
+        frames.push(frame(tail, node_part));
         let bytes: usize = frames.iter().map(prost::Message::encoded_len).sum();
         let m = &self.metrics;
         m.updates_sent.fetch_add(1, Ordering::Relaxed);
@@ -369,6 +419,7 @@ impl Fanout {
             && let Some(st) = nodes.get_mut(node)
             && st.acked.is_some()
         {
+            st.news_after = version;
             st.acked = Some(held);
         }
         self.settle(node, Some(version));
@@ -381,7 +432,7 @@ impl Fanout {
         }
         let start = Instant::now();
         let b = Arc::new(build());
-        let len = b.parts.iter().map(Bytes::len).sum::<usize>() + b.tail.len();
+        let len = b.parts.iter().map(Bytes::len).sum::<usize>();
         self.metrics.observe_encode(start.elapsed(), len);
         if let Ok(mut c) = self.bodies.lock() {
             if c.len() >= BODY_CACHE {
@@ -392,6 +443,42 @@ impl Fanout {
             c.insert(*key, b.clone());
         }
         b
+    }
+
+    /// The version after which changes are news to `node`, which is sent a snapshot of
+    /// `target` (its base is unknown): none if it said in its Hello that it holds `target`
+    /// already, otherwise those after the newest version it is known to hold, or after the one
+    /// published when it connected. A node reconnecting after a failover or a restart of the
+    /// brain is not sent the trigger times of changes it may well hold: recorded as network
+    /// programming latency, those are tens of seconds that measure nothing (kube-proxy, too,
+    /// ignores changes from before it started).
+    fn news_after(&self, node: &str, target: &Held) -> u64 {
+        let Ok(nodes) = self.nodes.lock() else {
+            return target.version;
+        };
+        match nodes.get(node) {
+            Some(st) if st.hello_digest == target.digest() => target.version,
+            Some(st) => st.news_after,
+            None => target.version,
+        }
+    }
+
+    /// The encoded tail for `key`: the trigger times and objects of the changes after `key.0`
+    /// up to `key.1`, built once.
+    fn tail(&self, key: TailKey) -> Bytes {
+        if let Some(t) = self.tails.lock().ok().and_then(|c| c.get(&key).cloned()) {
+            return t;
+        }
+        let (trigger_times, objects) = self.changes_between(key.0, key.1);
+        let t = encode_tail(trigger_times, objects);
+        if let Ok(mut c) = self.tails.lock() {
+            if c.len() >= BODY_CACHE {
+                let newest = key.1;
+                c.retain(|k, _| k.1 == newest);
+            }
+            c.insert(key, t.clone());
+        }
+        t
     }
 
     /// Trigger times and objects of the publications after `after` up to `upto`. Versions in
@@ -490,6 +577,9 @@ impl Fanout {
             st.last_apply = apply;
             if ack.ok {
                 st.acked_generation = ack.generation;
+                st.news_after = sent.version;
+                st.hello_digest.clear();
+                st.behind_since = None;
                 st.acked = Some(sent);
                 st.last_error.clear();
                 st.last_errno = 0;
@@ -497,6 +587,13 @@ impl Fanout {
                 st.last_kernel_message.clear();
             } else {
                 st.acked = None;
+                // It still holds what it had (a refused update changes nothing), and is behind
+                // at least since the publication it could not apply.
+                st.behind_since = Some(
+                    self.published_at(version)
+                        .unwrap_or_else(Instant::now)
+                        .min(st.behind_since.unwrap_or_else(Instant::now)),
+                );
                 st.last_error = ack.error.clone();
                 st.last_errno = ack.errno;
                 st.last_refused_message = ack.refused_message.clone();
@@ -539,6 +636,7 @@ impl Fanout {
     pub fn connect(&self, node: &str, peer: &str) -> (u64, Arc<tokio::sync::Notify>) {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
         let end = Arc::new(tokio::sync::Notify::new());
+        let version = self.publication().version;
         if let Ok(mut nodes) = self.nodes.lock() {
             let st = nodes.entry(node.to_string()).or_default();
             if let Some(older) = st.end_session.replace(end.clone()) {
@@ -548,6 +646,10 @@ impl Fanout {
             st.connected = true;
             st.peer = peer.to_string();
             st.disconnected_at = None;
+            let now = Instant::now();
+            st.connected_at = Some(now);
+            st.news_after = version;
+            st.behind_since = Some(now);
         }
         (id, end)
     }
@@ -562,6 +664,8 @@ impl Fanout {
                     st.session = 0;
                     st.end_session = None;
                     st.disconnected_at = Some(Instant::now());
+                    st.connected_at = None;
+                    st.behind_since = None;
                     true
                 }
                 _ => false,
@@ -605,6 +709,61 @@ impl Fanout {
                         .is_none_or(|at| now.saturating_duration_since(at) < grace)
             });
         }
+    }
+
+    /// What a connecting node said it holds (its Hello's digest): if that is the state it is
+    /// about to be sent, the update carries no trigger times (see [`Fanout::next_update`]).
+    pub fn hello(&self, node: &str, applied: Option<&splitproxy_proto::v1::Applied>) {
+        if let Ok(mut nodes) = self.nodes.lock() {
+            let st = nodes.entry(node.to_string()).or_default();
+            st.hello_digest = applied.map(|a| a.digest.clone()).unwrap_or_default();
+        }
+    }
+
+    /// When the publication of `version` was made, if the change log still holds it.
+    fn published_at(&self, version: u64) -> Option<Instant> {
+        let log = self.changes.lock().ok()?;
+        let first = log.front()?.version;
+        let i = usize::try_from(version.checked_sub(first)?).ok()?;
+        log.get(i).map(|c| c.published)
+    }
+
+    /// How long a node has been behind the latest publication: zero when it holds it or is not
+    /// connected, otherwise the time since the oldest publication it lacks (or since the brain
+    /// lost track of what it holds), but never more than it has been connected.
+    pub fn lag(&self, st: &NodeState, latest: u64, now: Instant) -> Duration {
+        let Some(connected_at) = st.connected.then_some(st.connected_at).flatten() else {
+            return Duration::ZERO;
+        };
+        let since = match &st.acked {
+            Some(h) if h.version >= latest => return Duration::ZERO,
+            Some(h) => self
+                .published_at(h.version + 1)
+                .or(self.oldest_publication()),
+            None if latest == 0 => return Duration::ZERO,
+            None => st.behind_since,
+        };
+        now.saturating_duration_since(since.unwrap_or(connected_at).max(connected_at))
+    }
+
+    fn oldest_publication(&self) -> Option<Instant> {
+        self.changes.lock().ok()?.front().map(|c| c.published)
+    }
+
+    /// The longest lag among connected nodes, and how many lag more than [`LAG_THRESHOLD`]:
+    /// figures whose size does not grow with the number of nodes, for metrics.
+    pub fn lag_summary(&self) -> (Duration, usize) {
+        let latest = self.publication().version;
+        let now = Instant::now();
+        let Ok(nodes) = self.nodes.lock() else {
+            return (Duration::ZERO, 0);
+        };
+        nodes
+            .values()
+            .map(|st| self.lag(st, latest, now))
+            .fold((Duration::ZERO, 0), |(max, n), lag| {
+                (max.max(lag), n + usize::from(lag > LAG_THRESHOLD))
+            })
     }
 
     pub fn connected_nodes(&self) -> usize {

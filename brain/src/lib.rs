@@ -6,6 +6,7 @@ pub mod auth;
 pub mod config;
 pub mod desired;
 pub mod fanout;
+pub mod freshness;
 pub mod history;
 pub mod http;
 pub mod index;

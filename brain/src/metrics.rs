@@ -21,7 +21,13 @@ pub struct Metrics {
     pub update_bytes_sent: AtomicU64,
     pub nacks: AtomicU64,
     pub synced: AtomicU64,
+    /// 1 while the last contact with the API server is older than the staleness bound.
+    pub stale: AtomicU64,
     pub relists: AtomicU64,
+    /// Watches restarted (with fresh connections) after the API server answered again.
+    pub watch_restarts: AtomicU64,
+    /// Probes of the API server that got no answer in time.
+    pub api_probe_failures: AtomicU64,
     pub publications: AtomicU64,
     pub encodes: AtomicU64,
     pub encoded_bytes: AtomicU64,
@@ -127,6 +133,33 @@ impl Metrics {
         self.invalid.lock().map(|m| m.values().sum()).unwrap_or(0)
     }
 
+    /// Renders every metric; `live` holds the figures computed at scrape time.
+    pub fn render_with(&self, connected_nodes: usize, live: &Live) -> String {
+        let mut out = self.render(connected_nodes);
+        let mut gauge = |name: &str, help: &str, value: String| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        };
+        gauge(
+            "splitproxy_brain_node_lag_seconds",
+            "The longest time a connected node has been behind the latest published desired state (0 when every node holds it).",
+            live.max_node_lag.as_secs_f64().to_string(),
+        );
+        gauge(
+            "splitproxy_brain_nodes_lagging",
+            "Connected nodes behind the latest published desired state for more than 5 s.",
+            live.nodes_lagging.to_string(),
+        );
+        gauge(
+            "splitproxy_brain_api_contact_age_seconds",
+            "Time since the last confirmed contact with the API server (a watch event or a probe's answer).",
+            live.api_contact_age.as_secs_f64().to_string(),
+        );
+        out
+    }
+
     pub fn render(&self, connected_nodes: usize) -> String {
         let mut out = String::new();
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -158,6 +191,24 @@ impl Metrics {
             "gauge",
             "1 once every initial list is complete and no relist is pending.",
             c(&self.synced),
+        );
+        one(
+            "splitproxy_brain_stale",
+            "gauge",
+            "1 while the last contact with the API server is older than --api-staleness-bound-ms: the brain is not ready and serves no node.",
+            c(&self.stale),
+        );
+        one(
+            "splitproxy_brain_watch_restarts_total",
+            "counter",
+            "Times every watch was restarted on new connections, after the API server answered again following failed probes.",
+            c(&self.watch_restarts),
+        );
+        one(
+            "splitproxy_brain_api_probe_failures_total",
+            "counter",
+            "Probes of the API server (GET /version) that got no answer in time.",
+            c(&self.api_probe_failures),
         );
         one(
             "splitproxy_brain_relists_total",
@@ -257,6 +308,14 @@ impl Metrics {
         self.surface.render(&mut out);
         out
     }
+}
+
+/// Figures computed when metrics are scraped.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Live {
+    pub max_node_lag: Duration,
+    pub nodes_lagging: usize,
+    pub api_contact_age: Duration,
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use prost::Message;
 use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
+use splitproxy_proto::v1::{Element, RulesetDelta, SetElements, TableRemoval};
 
 use crate::desired::SharedRuleset;
 use crate::index::Index;
@@ -440,6 +441,127 @@ fn replace(overlay: &mut NodeOverlay, desired: &mut SharedRuleset, old: &Share, 
         }
         for d in &o.dynamic {
             desired.release(family, *d);
+        }
+    }
+}
+
+/// What a node must apply to its table to go from overlay `base` to overlay `target`: element
+/// changes only.
+///
+/// An overlay holds elements in sets (and a table) that the shared model defines; it carries
+/// the definitions only so that its elements can be sent. Which definitions an overlay holds
+/// depends on its history: an incremental update keeps a set it emptied, a rebuild (after a
+/// relist) creates only the sets it puts elements in. A plain [`Model::diff`] of two overlays
+/// would then remove a set or the whole table, and on the node, where the overlay and the
+/// shared model are one table, that removes the shared set (or table) with it: the node's
+/// digest differs from the brain's and it NACKs until a snapshot. So what an overlay no longer
+/// holds is removed element by element, and sets and tables are left to the shared model.
+pub fn delta(base: &Model, target: &Model) -> RulesetDelta {
+    let mut d = base.diff(target);
+    let mut extra: Vec<TableRemoval> = Vec::new();
+    d.remove.retain_mut(|rm| {
+        let key: TableKey = (rm.family(), rm.name.clone());
+        let Some(old) = base.tables.get(&key) else {
+            return false;
+        };
+        let gone: Vec<String> = if rm.whole {
+            old.sets.keys().cloned().collect()
+        } else {
+            // A set whose definition changed is removed and sent again whole (the shared
+            // model does the same); one that went from the overlay only loses its elements.
+            let recreated = |name: &String| target.set(&key, name).is_some();
+            let (keep, gone): (Vec<String>, Vec<String>) = std::mem::take(&mut rm.sets)
+                .into_iter()
+                .partition(recreated);
+            rm.sets = keep;
+            gone
+        };
+        let elements = gone.iter().filter_map(|name| {
+            let sm = old.sets.get(name)?;
+            let keys: Vec<Element> = sm
+                .elements
+                .keys()
+                .filter_map(|k| Element::decode(&k[..]).ok())
+                .collect();
+            (!keys.is_empty()).then(|| SetElements {
+                set: name.clone(),
+                elements: keys,
+            })
+        });
+        if rm.whole {
+            extra.push(TableRemoval {
+                family: rm.family,
+                name: rm.name.clone(),
+                elements: elements.collect(),
+                ..Default::default()
+            });
+            return false;
+        }
+        rm.elements.extend(elements);
+        !(rm.chains.is_empty() && rm.sets.is_empty() && rm.elements.is_empty())
+    });
+    d.remove
+        .extend(extra.into_iter().filter(|rm| !rm.elements.is_empty()));
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use splitproxy_proto::v1::{DataType, Datum, Family, Ruleset, Set, Table, datum};
+
+    use super::*;
+
+    fn element(i: u32) -> Element {
+        Element {
+            key: vec![Datum {
+                value: Some(datum::Value::U32(i)),
+            }],
+            ..Element::default()
+        }
+    }
+
+    /// One table with sets `s` and `u` holding these elements.
+    fn model(s: &[u32], u: &[u32]) -> Model {
+        let set = |name: &str, elements: &[u32]| Set {
+            name: name.into(),
+            key: vec![DataType::Integer as i32],
+            elements: elements.iter().copied().map(element).collect(),
+            ..Set::default()
+        };
+        Model::from_ruleset(&Ruleset {
+            tables: vec![Table {
+                family: Family::Ip as i32,
+                name: "splitproxy".into(),
+                sets: vec![set("s", s), set("u", u)],
+                ..Table::default()
+            }],
+        })
+    }
+
+    /// An overlay that no longer holds a set, or anything at all, loses its elements on the
+    /// node; the sets and the table, which the shared model owns, stay.
+    #[test]
+    fn an_overlay_delta_never_removes_sets_or_tables() {
+        let shared = model(&[1], &[2]);
+        let base = model(&[10, 11], &[20]);
+        let node = |overlay: &Model| {
+            let mut m = shared.clone();
+            m.apply(&Model::default().diff(overlay));
+            m
+        };
+        let mut only_s = base.clone();
+        let table = (Family::Ip, "splitproxy".to_string());
+        only_s.remove_set(&table, "u");
+        for target in [only_s, Model::default()] {
+            let d = delta(&base, &target);
+            assert!(
+                d.remove.iter().all(|r| !r.whole && r.sets.is_empty()),
+                "{d:?}"
+            );
+            let mut held = node(&base);
+            held.apply(&d);
+            assert_eq!(held.digest(), shared.digest_with(&target));
+            assert!(held.set(&table, "u").is_some(), "the shared set stays");
         }
     }
 }

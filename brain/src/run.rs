@@ -10,6 +10,7 @@ use tonic_health::ServingStatus;
 
 use crate::config::BrainConfig;
 use crate::fanout::Fanout;
+use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
 use crate::server::DataplaneService;
 use crate::{http, listener, tls, watch};
@@ -17,8 +18,9 @@ use crate::{http, listener, tls, watch};
 /// Runs the brain with `config` (see [`crate::config`] for how flags become one) until SIGTERM or
 /// SIGINT.
 pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
-    // Fail fast on a bad kubeconfig; the watch thread builds its own client on its runtime.
+    // Fail fast on a bad kubeconfig; the watch thread builds its own clients on its runtime.
     kube_client(config.kubeconfig.as_deref()).await?;
+    let freshness = Freshness::new(config.tuning.api_staleness_bound);
     let metrics = Arc::new(Metrics::default());
     let fanout = Fanout::new(
         metrics,
@@ -34,12 +36,15 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     health
         .set_not_serving::<DataplaneServer<DataplaneService>>()
         .await;
+    tokio::spawn(freshness::monitor(freshness.clone(), fanout.clone()));
     {
-        // gRPC health follows readiness: serving only while synced.
+        // gRPC health follows readiness: serving only while synced and not stale.
         let (_, mut synced) = fanout.subscribe();
+        let mut fresh = fanout.subscribe_fresh();
         tokio::spawn(async move {
             loop {
-                let status = if *synced.borrow_and_update() {
+                let serving = *synced.borrow_and_update() && *fresh.borrow_and_update();
+                let status = if serving {
                     ServingStatus::Serving
                 } else {
                     ServingStatus::NotServing
@@ -48,7 +53,11 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                 health
                     .set_service_status("splitproxy.v1.Dataplane", status)
                     .await;
-                if synced.changed().await.is_err() {
+                let changed = tokio::select! {
+                    r = synced.changed() => r,
+                    r = fresh.changed() => r,
+                };
+                if changed.is_err() {
                     return;
                 }
             }
@@ -78,6 +87,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     // busy the fan-out to thousands of streams gets, watch events are taken in as they come.
     {
         let fanout = fanout.clone();
+        let freshness = freshness.clone();
         let (kubeconfig, rules, tuning) = (
             config.kubeconfig.clone(),
             config.rules.clone(),
@@ -97,22 +107,26 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                     }
                 };
                 rt.block_on(async move {
-                    let client = match kube_client(kubeconfig.as_deref()).await {
+                    let kube_config = match kube_config(kubeconfig.as_deref()).await {
                         Ok(c) => c,
                         Err(e) => {
                             tracing::error!(
                                 error = format!("{e:#}"),
-                                "cannot create the API client"
+                                "cannot read the API client's configuration"
                             );
                             std::process::exit(1);
                         }
                     };
                     watch::run(
-                        client,
+                        kube_config,
                         rules,
                         fanout,
-                        tuning.streaming_lists,
-                        tuning.min_publish_interval,
+                        freshness,
+                        watch::WatchOptions {
+                            streaming_lists: tuning.streaming_lists,
+                            min_interval: tuning.min_publish_interval,
+                            probe_interval: tuning.api_probe_interval,
+                        },
                     )
                     .await;
                 });
@@ -121,8 +135,9 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
 
     tokio::spawn({
         let fanout = fanout.clone();
+        let freshness = freshness.clone();
         async move {
-            if let Err(e) = http::serve(metrics, fanout).await {
+            if let Err(e) = http::serve(metrics, fanout, freshness).await {
                 tracing::error!(error = %e, "metrics server failed");
             }
         }
@@ -134,6 +149,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     let service = DataplaneService {
         fanout,
         groups: groups.clone(),
+        freshness,
     };
     // TLS is terminated by our own listener (handshake timeout, connection bounds, reloaded
     // files); tonic serves the established connections.
@@ -162,6 +178,10 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
 }
 
 async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
+    Ok(kube::Client::try_from(kube_config(kubeconfig).await?)?)
+}
+
+async fn kube_config(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Config> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -171,7 +191,7 @@ async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kub
         None => kube::Config::incluster()
             .context("in-cluster config (pass --kubeconfig outside a cluster)")?,
     };
-    Ok(kube::Client::try_from(config)?)
+    Ok(config)
 }
 
 async fn shutdown() {

@@ -18,6 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{self, Groups, Refusal, Roles};
 use crate::fanout::{Fanout, Next, Publication};
+use crate::freshness::Freshness;
 use crate::listener::{self, PeerInfo};
 
 /// How long the brain waits for an ack before it gives up on the stream.
@@ -35,6 +36,9 @@ pub struct DataplaneService {
     pub fanout: Arc<Fanout>,
     /// The groups that carry the node and operator roles (see [`crate::auth`]).
     pub groups: Arc<Groups>,
+    /// The last contact with the API server, for ListNodes (the fan-out carries whether the
+    /// brain is stale).
+    pub freshness: Arc<Freshness>,
 }
 
 impl DataplaneService {
@@ -106,6 +110,7 @@ impl Dataplane for DataplaneService {
             return Err(self.refuse(reason, &info, "Sync"));
         }
         let peer = info.remote.to_string();
+        self.refuse_if_stale()?;
         let mut inbound = request.into_inner();
         let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.next()).await {
             Err(_) => return Err(self.refuse(Refusal::HelloTimeout, &info, "Sync")),
@@ -126,18 +131,23 @@ impl Dataplane for DataplaneService {
         let (tx, rx) = mpsc::channel(1);
         let fanout = self.fanout.clone();
         let expires = info.identity.expires;
+        let freshness = self.freshness.clone();
         tokio::spawn(async move {
             let node = hello.node.clone();
             let (id, replaced) = fanout.connect(&node, &peer);
+            fanout.hello(&node, hello.applied.as_ref());
             let status_tx = tx.clone();
             let ended = tokio::select! {
                 r = session(&fanout, &hello, inbound, tx) => r,
                 _ = replaced.notified() => Err(Status::aborted("a newer stream for this node replaced this one")),
                 _ = until(expires) => Err(Status::unauthenticated("the client certificate expired")),
+                () = until_stale(&fanout) => Err(stale_status(&freshness)),
             };
             if let Err(e) = ended {
                 tracing::info!(%node, session = id, error = %e, "node stream ended");
-                // Tell the node why, if it still listens.
+                // Tell the node why, if it still listens (UNAVAILABLE when this brain went
+                // stale: the node moves to another replica, never silently stale). The channel
+                // holds at most one frame; a node that reads nothing is not waited for.
                 let _ = tokio::time::timeout(Duration::from_secs(1), status_tx.send(Err(e))).await;
             }
             fanout.disconnect(&node, id);
@@ -158,6 +168,7 @@ impl Dataplane for DataplaneService {
         self.fanout
             .prune_disconnected(Instant::now(), NODE_STATE_GRACE);
         let desired = self.fanout.publication();
+        let now = Instant::now();
         let nodes = self
             .fanout
             .nodes
@@ -181,14 +192,17 @@ impl Dataplane for DataplaneService {
                     .acked
                     .as_ref()
                     .is_some_and(|h| h.version == desired.version),
+                lag: self.fanout.lag(st, desired.version, now).try_into().ok(),
             })
             .collect();
         out.sort_by(|a, b| a.node.cmp(&b.node));
         Ok(Response::new(ListNodesResponse {
             brain_epoch: self.fanout.epoch,
-            synced: self.fanout.synced(),
+            synced: self.fanout.serving(),
             nodes: out,
             desired_version: desired.version,
+            stale: !self.fanout.fresh(),
+            api_contact_age: self.freshness.age().try_into().ok(),
         }))
     }
 
@@ -212,6 +226,35 @@ impl Dataplane for DataplaneService {
             nft: splitproxy_proto::render::ruleset(&ruleset),
             ruleset: Some(ruleset),
         }))
+    }
+}
+
+impl DataplaneService {
+    /// A stale brain takes no node: it answers UNAVAILABLE, and the actuator tries the next
+    /// brain ("never silently stale").
+    fn refuse_if_stale(&self) -> Result<(), Status> {
+        if self.fanout.fresh() {
+            Ok(())
+        } else {
+            Err(stale_status(&self.freshness))
+        }
+    }
+}
+
+/// Why a stale brain closes or refuses a stream.
+fn stale_status(freshness: &Freshness) -> Status {
+    Status::unavailable(format!(
+        "brain is stale: no contact with the API server for {:.1}s (bound {:.1}s); try another brain",
+        freshness.age().as_secs_f64(),
+        freshness.bound().as_secs_f64()
+    ))
+}
+
+/// Resolves when the brain turns stale (never, if the fan-out goes away first).
+async fn until_stale(fanout: &Fanout) {
+    let mut fresh = fanout.subscribe_fresh();
+    if fresh.wait_for(|f| !*f).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 

@@ -152,6 +152,9 @@ pub struct LabOptions {
     pub node_specs: Vec<NodeSpec>,
     /// Brain replicas.
     pub brains: usize,
+    /// Each brain reaches the API server through a forwarder of its own, which a fault test
+    /// can cut ([`Lab::cut_brain_api`]) to partition that brain from the API server.
+    pub brain_api_links: bool,
     /// Service CIDRs: kube-apiserver's `--service-cluster-ip-range` (dual stack by default:
     /// 10.96.0.0/16 and fd00:96::/112) and, unless `brain.rules.service_cidrs` is set, the
     /// brain's.
@@ -180,6 +183,7 @@ impl LabOptions {
             nodes: 2,
             node_specs: Vec::new(),
             brains: 1,
+            brain_api_links: false,
             service_cidrs: vec![
                 DEFAULT_SERVICE_CIDR.parse().expect("constant CIDR"),
                 DEFAULT_SERVICE_CIDR6.parse().expect("constant CIDR"),
@@ -304,6 +308,8 @@ pub struct Lab {
     pub pki: Pki,
     pub brains: Vec<Option<Brain>>,
     brain_addrs: Vec<SocketAddr>,
+    /// With `brain_api_links`: brain `i`'s path to the API server, and the kubeconfig using it.
+    api_links: Vec<(crate::portfwd::Forwarder, PathBuf)>,
     pub actuators: Vec<Actuator>,
     /// A client certificate for operators (grpcurl) and tests.
     pub operator_tls: crate::certs::TlsFiles,
@@ -363,6 +369,7 @@ impl Lab {
             pki,
             brains: Vec::new(),
             brain_addrs: Vec::new(),
+            api_links: Vec::new(),
             actuators: Vec::new(),
             operator_tls,
             node_specs,
@@ -387,6 +394,18 @@ impl Lab {
             .with_context(|| format!("creating pod {}", pod.name))?;
         }
         lab.create_node_objects().await?;
+        if lab.opts.brain_api_links {
+            for _ in 0..lab.opts.brains {
+                let link = crate::portfwd::forward_local(
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    lab.cp.addr(),
+                )?;
+                let kubeconfig = lab
+                    .cp
+                    .kubeconfig_for_server(&format!("https://{}", link.local_addr()))?;
+                lab.api_links.push((link, kubeconfig));
+            }
+        }
         for i in 0..lab.opts.brains {
             let brain = lab.spawn_brain(i, None)?;
             lab.brain_addrs.push(brain.grpc);
@@ -427,9 +446,13 @@ impl Lab {
     }
 
     fn spawn_brain(&self, i: usize, addr: Option<SocketAddr>) -> Result<Brain> {
+        let kubeconfig = match self.api_links.get(i) {
+            Some((_, path)) => path.as_path(),
+            None => self.cp.kubeconfig_path(),
+        };
         Brain::start(
             &self.opts.exe,
-            self.cp.kubeconfig_path(),
+            kubeconfig,
             &self.pki,
             &self.dir,
             &format!("brain-{i}"),
@@ -497,6 +520,27 @@ impl Lab {
                 )
             })
             .collect()
+    }
+
+    /// Partitions brain `i` from the API server (needs `brain_api_links`): its connections
+    /// to the API server are blackholed, not closed.
+    pub fn cut_brain_api(&self, i: usize) -> Result<()> {
+        let (link, _) = self
+            .api_links
+            .get(i)
+            .context("cutting a brain's API path needs LabOptions::brain_api_links")?;
+        link.cut();
+        Ok(())
+    }
+
+    /// Ends brain `i`'s partition: new connections to the API server get through again.
+    pub fn heal_brain_api(&self, i: usize) -> Result<()> {
+        let (link, _) = self
+            .api_links
+            .get(i)
+            .context("healing a brain's API path needs LabOptions::brain_api_links")?;
+        link.heal();
+        Ok(())
     }
 
     /// Stops the actuator of node `i` (SIGTERM); its rules stay in the kernel.

@@ -7,12 +7,19 @@
 //! 127.0.0.1) and proxies every accepted connection to a target that is dialled from the
 //! harness process's namespace. Sockets keep the namespace they were created in, so a single
 //! private runtime can serve both sides.
+//!
+//! A forwarder is also the link a fault test cuts: [`Forwarder::cut`] blackholes it (every
+//! forwarded connection stops carrying bytes but stays open, new connections are accepted and
+//! never answered, as behind a partition that drops packets), and [`Forwarder::heal`] lets new
+//! connections through again. Connections from before the cut stay blackholed for good, as
+//! connections whose state a middlebox lost: a client must notice and open new ones.
+//! [`forward_local`] forwards on the host's loopback (a brain's path to the API server).
 
 use std::net::SocketAddr;
 use std::thread::JoinHandle;
 
 use anyhow::Context;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use crate::Result;
 use crate::netns::Netns;
@@ -24,6 +31,15 @@ pub struct Forwarder {
     target: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    link: watch::Sender<LinkState>,
+}
+
+/// Whether a forwarder's link is cut, and how many cuts it has seen (a connection forwarded
+/// before a cut stays blackholed after the heal).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct LinkState {
+    cut: bool,
+    cuts: u64,
 }
 
 impl Forwarder {
@@ -36,6 +52,22 @@ impl Forwarder {
     /// The target dialled from the harness's namespace.
     pub fn target(&self) -> SocketAddr {
         self.target
+    }
+
+    /// Blackholes the link: forwarded connections stop carrying bytes (both ends stay open),
+    /// and new ones are accepted but never forwarded.
+    pub fn cut(&self) {
+        self.link.send_modify(|s| {
+            if !s.cut {
+                s.cut = true;
+                s.cuts += 1;
+            }
+        });
+    }
+
+    /// New connections are forwarded again; those from before the cut stay blackholed.
+    pub fn heal(&self) {
+        self.link.send_modify(|s| s.cut = false);
     }
 }
 
@@ -63,7 +95,21 @@ pub fn forward_port(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Resul
             Ok(listener)
         })?
         .with_context(|| format!("listening on {listen} in {}", ns.name()))?;
+    spawn(listener, target)
+}
+
+/// Listens on `listen` in the calling thread's namespace (normally host loopback) and forwards
+/// each connection to `target`: a path a test can [`Forwarder::cut`].
+pub fn forward_local(listen: SocketAddr, target: SocketAddr) -> Result<Forwarder> {
+    let listener =
+        std::net::TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
+    listener.set_nonblocking(true)?;
+    spawn(listener, target)
+}
+
+fn spawn(listener: std::net::TcpListener, target: SocketAddr) -> Result<Forwarder> {
     let local = listener.local_addr()?;
+    let (link, link_rx) = watch::channel(LinkState::default());
 
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -83,7 +129,7 @@ pub fn forward_port(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Resul
                 };
                 tokio::select! {
                     _ = stop_rx => {}
-                    () = accept_loop(listener, target) => {}
+                    () = accept_loop(listener, target, link_rx) => {}
                 }
             });
             // Dropping the runtime closes every forwarded connection.
@@ -94,23 +140,42 @@ pub fn forward_port(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Resul
         target,
         stop: Some(stop_tx),
         thread: Some(thread),
+        link,
     })
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, target: SocketAddr) {
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    target: SocketAddr,
+    link: watch::Receiver<LinkState>,
+) {
     loop {
         let Ok((mut inbound, _)) = listener.accept().await else {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
+        let mut link = link.clone();
         tokio::spawn(async move {
+            let at = *link.borrow_and_update();
+            if at.cut {
+                // Accepted and never answered; closed when the forwarder stops.
+                let _held = inbound;
+                std::future::pending::<()>().await;
+                return;
+            }
             // The runtime thread never entered a namespace, so this dials from the host's.
             let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
                 return; // dropping `inbound` closes the client's connection
             };
             let _ = inbound.set_nodelay(true);
             let _ = outbound.set_nodelay(true);
-            let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            tokio::select! {
+                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => return,
+                _ = link.wait_for(|s| s.cuts != at.cuts) => {}
+            }
+            // Cut: both connections stay open and carry nothing, until the forwarder stops.
+            let _held = (inbound, outbound);
+            std::future::pending::<()>().await;
         });
     }
 }

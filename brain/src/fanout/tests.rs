@@ -594,3 +594,116 @@ fn disconnected_strangers_are_pruned_cluster_nodes_stay() {
     left.sort();
     assert_eq!(left, ["live", "member"]);
 }
+
+// ---- trigger times after a reconnect ----
+
+/// A node whose base is unknown (it connected, or NACKed) is sent a snapshot with the trigger
+/// times of the changes that are news to it only: those published after it connected, or after
+/// the last state it acked; none if its Hello said it holds the state already. A snapshot used
+/// to carry every logged trigger time, and a node that changed nothing recorded a dozen network
+/// programming samples of 15-20 s.
+#[test]
+fn a_snapshot_carries_only_the_trigger_times_of_changes_news_to_the_node() {
+    let f = fanout();
+    let none = Overlays::new();
+    for i in 1..=3 {
+        publish(&f, model(1..=i), &none, i as i64);
+    }
+    let triggers =
+        |frames: &[UpdateFrame]| decode(frames).last().expect("frames").trigger_times.clone();
+
+    // n1 connects at v3 and has nothing from this brain; v4 comes before its first update.
+    f.set_connected("n1", true, "peer-1");
+    f.hello("n1", None);
+    publish(&f, model(1..=4), &none, 4);
+    let (frames, v4) = send(&f, "n1", None);
+    assert_eq!(frames[0].base_generation, 0, "a snapshot");
+    assert_eq!(
+        triggers(&frames),
+        vec![at(4)],
+        "only the change after it connected"
+    );
+    assert!(answer(&f, "n1", &frames, v4.clone(), true));
+
+    // n2 reconnects (after a failover) holding exactly the current state: nothing is news.
+    f.set_connected("n2", true, "peer-2");
+    let current = f.publication().held("n2").expect("published");
+    f.hello(
+        "n2",
+        Some(&Applied {
+            brain_epoch: f.epoch ^ 1,
+            generation: 17,
+            digest: current.digest(),
+        }),
+    );
+    let (frames, _) = send(&f, "n2", None);
+    assert_eq!(
+        frames[0].base_generation, 0,
+        "a snapshot (another brain's epoch)"
+    );
+    assert!(triggers(&frames).is_empty(), "it held the state already");
+    // Another node holding something else gets the changes since it connected: none yet.
+    f.set_connected("n3", true, "peer-3");
+    f.hello(
+        "n3",
+        Some(&Applied {
+            brain_epoch: f.epoch ^ 1,
+            generation: 3,
+            digest: vec![7; 16],
+        }),
+    );
+    let (frames, _) = send(&f, "n3", None);
+    assert!(triggers(&frames).is_empty());
+
+    // n1 NACKs the delta to v5; its snapshot then carries v5's and v6's trigger times: the
+    // changes after v4, which it still holds.
+    publish(&f, model(1..=5), &none, 5);
+    let (frames, v5) = send(&f, "n1", Some(&v4));
+    assert_eq!(triggers(&frames), vec![at(5)]);
+    assert!(!answer(&f, "n1", &frames, v5, false));
+    publish(&f, model(1..=6), &none, 6);
+    let (frames, _) = send(&f, "n1", None);
+    assert_eq!(frames[0].base_generation, 0);
+    assert_eq!(triggers(&frames), vec![at(5), at(6)]);
+}
+
+// ---- lag ----
+
+/// A connected node's lag is the time since the oldest publication it lacks; zero once it holds
+/// the latest, and for nodes not connected. The summary for metrics is the maximum and a count.
+#[test]
+fn lag_is_the_time_since_the_oldest_publication_a_node_lacks() {
+    use std::time::{Duration, Instant};
+    let f = fanout();
+    let none = Overlays::new();
+    f.set_connected("n1", true, "peer");
+    f.set_connected("n2", true, "peer");
+    publish(&f, model([1]), &none, 1);
+    let v1 = sync(&f, "n1", None);
+    let lag = |node: &str| {
+        let st = node_state(&f, node);
+        f.lag(&st, f.publication().version, Instant::now())
+    };
+    assert_eq!(lag("n1"), Duration::ZERO, "holds the latest");
+    assert!(lag("n2") > Duration::ZERO, "connected, nothing acked yet");
+
+    publish(&f, model([1, 2]), &none, 2);
+    std::thread::sleep(Duration::from_millis(30));
+    publish(&f, model([1, 2, 3]), &none, 3);
+    let l = lag("n1");
+    assert!(l >= Duration::from_millis(30), "behind since v2: {l:?}");
+    let (max, lagging) = f.lag_summary();
+    assert!(max >= l);
+    assert_eq!(lagging, 0, "nobody behind for more than the threshold");
+
+    let v3 = sync(&f, "n1", Some(&v1));
+    assert_eq!(v3.version, 3);
+    assert_eq!(lag("n1"), Duration::ZERO);
+    f.set_connected("n2", false, "peer");
+    assert_eq!(
+        lag("n2"),
+        Duration::ZERO,
+        "not connected: not this brain's to count"
+    );
+    assert_eq!(f.lag_summary(), (Duration::ZERO, 0));
+}

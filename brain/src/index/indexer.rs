@@ -49,6 +49,8 @@ pub struct Indexer {
     slices: Listing<(ObjectKey, Arc<objects::SliceInfo>)>,
     nodes: Listing<objects::NodeInfo>,
     service_cidr_objects: Listing<(String, Vec<ipnet::IpNet>)>,
+    /// Whether ServiceCIDR objects are watched (their list gates publication).
+    watch_service_cidrs: bool,
     /// CIDRs of the ServiceCIDR objects, by object name.
     cidrs_by_object: HashMap<String, Vec<ipnet::IpNet>>,
     /// `--service-cidr`.
@@ -90,6 +92,7 @@ impl Indexer {
             slices: Listing::default(),
             nodes: Listing::default(),
             service_cidr_objects,
+            watch_service_cidrs,
             cidrs_by_object: HashMap::new(),
             flag_cidrs: config.service_cidrs.clone(),
             shared: None,
@@ -294,6 +297,19 @@ impl Indexer {
         self.overlays = Overlays::new(self.config.clone());
         self.published_overlays = imbl::HashMap::new();
         self.rebuild = true;
+    }
+
+    /// Every watch is about to start over (restarted on new connections after the API server
+    /// was unreachable): each resource waits for its new list, so nothing is published, and the
+    /// brain is unsynced, until all of them are complete again. Events the old watches sent are
+    /// the caller's to drop.
+    pub fn relist_all(&mut self) {
+        self.services.start();
+        self.slices.start();
+        self.nodes.start();
+        if self.watch_service_cidrs {
+            self.service_cidr_objects.start();
+        }
     }
 
     /// Whether every followed resource is complete: listed, and not relisting.

@@ -471,3 +471,112 @@ fn a_slice_moving_to_another_service_recomputes_both() {
     );
     assert_eq!(r.objects_of(r.version()), vec!["EndpointSlice default/a-1"]);
 }
+
+// ---- what a node holding an older state can apply ----
+
+/// A slice of Service `service` whose endpoints run on the given nodes.
+fn slice_on(name: &str, service: &str, eps: &[(&str, &str)]) -> EndpointSlice {
+    let mut s = slice(name, service, &[]);
+    s.endpoints = eps
+        .iter()
+        .map(|(ip, node)| {
+            serde_json::from_value(json!({
+                "addresses": [ip],
+                "conditions": {"ready": true},
+                "nodeName": node,
+            }))
+            .expect("test endpoint")
+        })
+        .collect();
+    s
+}
+
+/// Takes `node`, holding `base`, to the latest publication as the actuator would: the update's
+/// parts joined (the shared ones and the node's own) and applied to the whole table it holds.
+/// Returns the digest it ends with and the one the brain says it must have.
+fn apply_next(r: &Rig, node: &str, base: &crate::fanout::Held) -> (Vec<u8>, Vec<u8>) {
+    use prost::Message;
+    use splitproxy_proto::v1::{Update, update::Body};
+    let desired = r.publication();
+    let Some(crate::fanout::Next::Send(frames, target)) =
+        r.fanout.next_update(node, Some(base), &desired)
+    else {
+        panic!("{node} has an update to apply");
+    };
+    let updates: Vec<Update> = frames
+        .iter()
+        .map(|f| Update::decode(&f.encode_to_vec()[..]).expect("an Update"))
+        .collect();
+    let digest = updates.last().expect("frames").digest.clone();
+    assert_eq!(digest, target.digest());
+    let Body::Delta(delta) =
+        splitproxy_proto::parts::join(updates.into_iter().filter_map(|u| u.body)).expect("parts")
+    else {
+        panic!("a delta for a node whose base is known");
+    };
+    let mut held = base.full();
+    held.apply(&delta);
+    (held.digest(), digest)
+}
+
+/// A relist that takes away a node's only local endpoint rebuilds that node's overlay, which
+/// then lacks the sets the old one had elements in. The node, holding the state from before the
+/// relist, must still reach the brain's digest with the delta it is sent (it used to NACK with
+/// "digest after applying differs from the brain's" until a snapshot repaired it).
+#[test]
+fn a_relist_that_removes_a_node_local_endpoint_gives_a_delta_the_node_can_apply() {
+    let mut r = Rig::new(false);
+    r.events(list(
+        svc,
+        vec![service("a", "10.96.0.10"), service("b", "10.96.0.20")],
+    ));
+    r.events(list(
+        sl,
+        vec![
+            slice_on("a-1", "a", &[("10.244.1.1", "n1"), ("10.244.2.1", "n2")]),
+            slice_on("b-1", "b", &[("10.244.2.2", "n2")]),
+        ],
+    ));
+    r.events(list(
+        nd,
+        vec![node("n1", "192.168.0.1"), node("n2", "192.168.0.2")],
+    ));
+    assert!(r.fanout.synced());
+    let before = r.publication();
+    let held: Vec<_> = ["n1", "n2"]
+        .iter()
+        .map(|n| before.held(n).expect("published"))
+        .collect();
+    assert!(
+        render::ruleset(&held[0].full().to_ruleset()).contains("10.244.1.1 . 10.244.1.1"),
+        "n1 holds the hairpin pair of its local endpoint"
+    );
+
+    // The slices relist without n1's endpoint.
+    r.events(list(
+        sl,
+        vec![
+            slice_on("a-1", "a", &[("10.244.2.1", "n2")]),
+            slice_on("b-1", "b", &[("10.244.2.2", "n2")]),
+        ],
+    ));
+    assert!(r.fanout.synced());
+    assert_eq!(r.version(), before.version + 1);
+    for (node, base) in ["n1", "n2"].iter().zip(&held) {
+        let (reached, wanted) = apply_next(&r, node, base);
+        assert_eq!(reached, wanted, "{node} reaches the brain's digest");
+    }
+
+    // And back: a Node relist gives n1 its overlay anew, again from a rebuild.
+    let before = r.publication();
+    let n1 = before.held("n1").expect("published");
+    r.events(list(
+        sl,
+        vec![
+            slice_on("a-1", "a", &[("10.244.1.1", "n1"), ("10.244.2.1", "n2")]),
+            slice_on("b-1", "b", &[("10.244.2.2", "n2")]),
+        ],
+    ));
+    let (reached, wanted) = apply_next(&r, "n1", &n1);
+    assert_eq!(reached, wanted, "n1 gets its endpoint back");
+}
