@@ -87,7 +87,6 @@ pub(super) fn encode(e: &Ct, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 const ALL_KEYS: [CtKey; 10] = [
     CtKey::State,
     CtKey::Status,
@@ -101,9 +100,8 @@ const ALL_KEYS: [CtKey; 10] = [
     CtKey::Protocol,
 ];
 
-#[cfg(test)]
-pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Ct {
-    use super::tests::{reg_of, u32_of};
+pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Result<Ct, crate::nft::DecodeError> {
+    use super::decode::{reg_of, u32_of};
     let raw = u32_of(a, NFTA_CT_KEY);
     let key = ALL_KEYS
         .into_iter()
@@ -113,13 +111,18 @@ pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Ct {
         None => CtDirection::Unspecified,
         Some(Some(IP_CT_DIR_ORIGINAL)) => CtDirection::Original,
         Some(Some(IP_CT_DIR_REPLY)) => CtDirection::Reply,
-        Some(other) => panic!("unexpected ct direction {other:?}"),
+        Some(other) => {
+            return Err(crate::nft::DecodeError::new(
+                "ct",
+                format!("direction {other:?}"),
+            ));
+        }
     };
-    Ct {
+    Ok(Ct {
         key: key as i32,
         dreg: reg_of(a, NFTA_CT_DREG),
         direction: direction as i32,
-    }
+    })
 }
 
 #[cfg(test)]
