@@ -172,7 +172,10 @@ pub enum ReconcileError {
     Read(#[from] std::io::Error),
     /// The drift was found but the kernel refused the repair.
     #[error("repairing drift ({drift}): {source}")]
-    Repair { drift: Drift, source: ApplyError },
+    Repair {
+        drift: Box<Drift>,
+        source: Box<ApplyError>,
+    },
 }
 
 impl<K: Kernel> Applier<K> {
@@ -209,14 +212,14 @@ impl<K: Kernel> Applier<K> {
         let batch = self
             .replacement(&self.model)
             .map_err(|source| ReconcileError::Repair {
-                drift: drift.clone(),
-                source,
+                drift: Box::new(drift.clone()),
+                source: Box::new(source),
             })?;
         if let Err(e) = self.kernel.commit(&batch) {
             self.refused(&e);
             return Err(ReconcileError::Repair {
-                drift,
-                source: e.into(),
+                drift: Box::new(drift),
+                source: Box::new(e.into()),
             });
         }
         self.kernel_generation = self.kernel.generation().ok();
