@@ -138,6 +138,11 @@ impl<K: Kernel> Applier<K> {
         self
     }
 
+    /// Makes the next [`Applier::reconcile`] read the tables whatever the generation says.
+    pub fn request_reconcile(&mut self) {
+        self.reconcile_due = true;
+    }
+
     /// The configured table name (`ip <table>` and `ip6 <table>`).
     pub fn table(&self) -> &str {
         &self.table

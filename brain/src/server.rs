@@ -99,6 +99,14 @@ impl Dataplane for DataplaneService {
                 last_errno: st.last_errno,
                 last_refused_message: st.last_refused_message.clone(),
                 last_kernel_message: st.last_kernel_message.clone(),
+                drifts: st.drifts,
+                last_drift: st
+                    .last_drift
+                    .as_ref()
+                    .map(|d| d.summary.clone())
+                    .unwrap_or_default(),
+                last_drift_at: st.last_drift.as_ref().and_then(|d| d.detected_at),
+                last_drift_repaired: st.last_drift.as_ref().is_some_and(|d| d.repaired),
                 peer: st.peer.clone(),
                 in_sync: st
                     .acked
@@ -181,7 +189,7 @@ async fn session(
                 }
                 tokio::select! {
                     r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
-                    msg = inbound.next() => return unexpected(msg),
+                    msg = next_inbound(fanout, node, &mut inbound) => return unexpected(msg),
                 }
                 continue;
             }
@@ -200,7 +208,9 @@ async fn session(
                 .await
                 .map_err(|_| Status::cancelled("node went away"))?;
         }
-        let ack = match tokio::time::timeout(ACK_TIMEOUT, inbound.next()).await {
+        let ack = match tokio::time::timeout(ACK_TIMEOUT, next_inbound(fanout, node, &mut inbound))
+            .await
+        {
             Err(_) => return Err(Status::deadline_exceeded("no ack")),
             Ok(Some(Ok(SyncRequest {
                 msg: Some(sync_request::Msg::Ack(ack)),
@@ -258,12 +268,30 @@ impl NackBackoff {
     }
 }
 
+/// The node's next message that is not a drift report. Drift reports may come at any point
+/// after Hello (the node's reconciler sends them unasked); each is recorded as it arrives.
+/// Cancel-safe: a report is recorded before the next message is awaited.
+async fn next_inbound(
+    fanout: &Fanout,
+    node: &str,
+    inbound: &mut Streaming<SyncRequest>,
+) -> Option<Result<SyncRequest, Status>> {
+    loop {
+        match inbound.next().await {
+            Some(Ok(SyncRequest {
+                msg: Some(sync_request::Msg::Drift(drift)),
+            })) => fanout.record_drift(node, drift),
+            other => return other,
+        }
+    }
+}
+
 fn unexpected(msg: Option<Result<SyncRequest, Status>>) -> Result<(), Status> {
     match msg {
         None => Err(Status::cancelled("node closed its stream")),
         Some(Err(e)) => Err(e),
         Some(Ok(_)) => Err(Status::invalid_argument(
-            "unexpected message: only acks follow Hello",
+            "unexpected message: only acks and drift reports follow Hello",
         )),
     }
 }
