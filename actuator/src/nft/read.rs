@@ -16,7 +16,7 @@ use std::io;
 
 use prost::Message;
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
-use splitproxy_proto::v1::{Family, Set};
+use splitproxy_proto::v1::{CtDirection, CtKey, Family, Set, expr::Kind};
 
 use super::consts::*;
 use super::error::DecodeError;
@@ -53,12 +53,29 @@ pub fn packet_path_owned(set: &Set) -> bool {
     set.dynamic || set.timeout || set.default_timeout_ms > 0
 }
 
-/// `model` without the elements of the sets the packet path owns: the part of a model that
-/// a read of the kernel can reproduce. Cheap when those sets are empty, as the brain sends
-/// them.
+/// `model` as a read of the kernel can reproduce it: without the elements of the sets the
+/// packet path owns, and with `ct protocol` read as `ct original protocol` (the kernel keeps no
+/// direction for it; expr/ct.rs). Cheap when those sets are empty, as the brain sends them,
+/// and the brain always names the direction.
 pub fn comparable(model: &Model) -> Model {
     let mut out = model.clone();
     for (key, tm) in model.tables.iter() {
+        for chain in tm.chains.values() {
+            let mut c = (**chain).clone();
+            let mut changed = false;
+            for x in c.rules.iter_mut().flat_map(|r| r.exprs.iter_mut()) {
+                if let Some(Kind::Ct(ct)) = &mut x.kind
+                    && ct.key == CtKey::Protocol as i32
+                    && ct.direction == CtDirection::Unspecified as i32
+                {
+                    ct.direction = CtDirection::Original as i32;
+                    changed = true;
+                }
+            }
+            if changed {
+                out.upsert_chain(key, c);
+            }
+        }
         for (name, sm) in tm.sets.iter() {
             if packet_path_owned(&sm.def) && !sm.is_empty() {
                 for k in sm.elements.keys() {

@@ -108,6 +108,10 @@ pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Result<Ct, crate::n
         .find(|k| kernel_key(*k) == Some(raw))
         .unwrap_or(CtKey::Unspecified);
     let direction = match a.find(NFTA_CT_DIRECTION).map(|d| d.value.first().copied()) {
+        // The kernel keeps no direction for the protocol (the same in both tuples): read it as
+        // `ct original protocol`, as the brain writes it. The reader's comparison treats an IR
+        // protocol without direction the same way (nft/read.rs, `comparable`).
+        None if key == CtKey::Protocol => CtDirection::Original,
         None => CtDirection::Unspecified,
         Some(Some(IP_CT_DIR_ORIGINAL)) => CtDirection::Original,
         Some(Some(IP_CT_DIR_REPLY)) => CtDirection::Reply,
@@ -154,7 +158,14 @@ mod tests {
             };
             for &dir in dirs {
                 let c = ct(key, dir, 3);
-                assert_eq!(round_trip(Kind::Ct(c)), Kind::Ct(c), "{key:?} {dir:?}");
+                // Without a direction, the protocol reads back as the original one's.
+                let back = match (key, dir) {
+                    (CtKey::Protocol, CtDirection::Unspecified) => {
+                        ct(key, CtDirection::Original, 3)
+                    }
+                    _ => c,
+                };
+                assert_eq!(round_trip(Kind::Ct(c)), Kind::Ct(back), "{key:?} {dir:?}");
             }
         }
     }
