@@ -19,7 +19,7 @@
 //! actuator restarted: its /readyz answers 200 and its healthCheckNodePort answers 200 with its
 //! one local endpoint, without any brain, and new connections through the ClusterIP succeed.
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -326,7 +326,7 @@ async fn tampering_is_repaired_within_10s() {
                 .to_vec(),
         ),
     ];
-    let windows = Arc::new(Mutex::new(Vec::<Window>::new()));
+    let mut windows = Vec::<Window>::new();
     for (what, kind, breaks_traffic, args) in tamperings {
         let repairs_before = repairs(&lab, kind);
         let drifts_before = node0(&list_nodes(&lab).await).drifts;
@@ -353,7 +353,7 @@ async fn tampering_is_repaired_within_10s() {
             "{what}: repaired after {:?}",
             repaired.duration_since(tampered)
         );
-        windows.lock().unwrap().push(Window {
+        windows.push(Window {
             what,
             tampered,
             repaired,
@@ -386,7 +386,6 @@ async fn tampering_is_repaired_within_10s() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (failures, n) = looper.await.unwrap();
     assert!(n > 100, "the loop made {n} connections");
-    let windows = windows.lock().unwrap();
     let mut outside = Vec::new();
     for f in &failures {
         let inside = windows.iter().find(|w| {
