@@ -477,3 +477,97 @@ async fn restart_without_any_brain_serves_health_checks_and_traffic() {
         assert!(r.is_answered(), "without a brain: {r:?}");
     }
 }
+
+/// The brain's own rules for 10,000 Services x 10 endpoints (every 100th with ClientIP
+/// affinity, every 10th of the first 2,000 a NodePort), applied by the actuator's applier in a
+/// private network namespace and read back with its reader: the digests are equal, and the
+/// time the read and the generation check take is printed (debug build here; see
+/// docs/invariants.md for the figures).
+#[test]
+fn brain_rules_at_10k_services_read_back_equal() {
+    use splitproxy_actuator::apply::Applier;
+    use splitproxy_brain::desired::SharedRuleset;
+    use splitproxy_brain::index::Index;
+    use splitproxy_brain::metrics::Metrics;
+    use splitproxy_brain::objects::{self, ObjectKey};
+    use splitproxy_brain::rules::RulesConfig;
+    use splitproxy_proto::v1::{Update, update::Body};
+
+    let (services, endpoints) = (10_000u32, 10u32);
+    let metrics = Metrics::default();
+    let mut index = Index::default();
+    for i in 0..services {
+        let mut spec = json!({
+            "clusterIP": format!("10.{}.{}.{}", 96 + i / 65536, (i / 256) % 256, i % 256),
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+        });
+        if i % 100 == 0 {
+            spec["sessionAffinity"] = json!("ClientIP");
+        }
+        if i < 2000 && i % 10 == 2 {
+            spec["type"] = json!("NodePort");
+            spec["ports"][0]["nodePort"] = json!(30000 + i);
+        }
+        let svc: k8s_openapi::api::core::v1::Service = serde_json::from_value(json!({
+            "metadata": {"name": format!("s{i}"), "namespace": "bench"},
+            "spec": spec,
+        }))
+        .unwrap();
+        index.apply_service(
+            ObjectKey::of(&svc),
+            objects::service(&svc, &Default::default(), &metrics),
+        );
+        let eps: Vec<_> = (0..endpoints)
+            .map(|k| {
+                let n = i * endpoints + k;
+                json!({"addresses": [format!("10.{}.{}.{}", 128 + (n / 65536) % 64, (n / 256) % 256, n % 256)],
+                       "conditions": {"ready": true}})
+            })
+            .collect();
+        let sl: k8s_openapi::api::discovery::v1::EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": format!("s{i}-1"), "namespace": "bench",
+                         "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": eps,
+        }))
+        .unwrap();
+        index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
+    }
+    let mut d = SharedRuleset::new(RulesConfig::default());
+    d.rebuild(&index);
+    let model = d.model().clone();
+    let snapshot = Update {
+        brain_epoch: 1,
+        generation: 1,
+        digest: model.digest(),
+        body: Some(Body::Snapshot(model.to_ruleset())),
+        ..Default::default()
+    };
+    let elements = model.element_count();
+    std::thread::spawn(move || {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut applier = Applier::new(NftSocket::open().unwrap(), "splitproxy".into());
+        applier.apply(&snapshot).unwrap();
+        let want = comparable(applier.model());
+        let t = Instant::now();
+        let read = applier.kernel_mut().read_tables("splitproxy").unwrap();
+        let took = t.elapsed();
+        let t = Instant::now();
+        let generation = applier.kernel_mut().generation().unwrap();
+        let gen_took = t.elapsed();
+        eprintln!(
+            "brain rules, {services} Services x {endpoints}: {elements} elements read back in \
+             {took:?}; generation check {gen_took:?}"
+        );
+        assert_eq!(generation, read.generation);
+        assert!(
+            read.model.digest() == want.digest(),
+            "the brain's rules read back differently: {:?}",
+            want.diff(&read.model)
+        );
+        assert_eq!(read.model.digest(), applier.applied().digest);
+    })
+    .join()
+    .unwrap();
+}
