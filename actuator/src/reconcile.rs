@@ -21,6 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 use splitproxy_proto::v1;
 use tokio::sync::Notify;
 
+use crate::after_commit::AfterCommit;
 use crate::apply::Applier;
 use crate::apply::kernel::Kernel;
 use crate::apply::reconcile::{Drift, ReconcileError, Reconciled};
@@ -88,9 +89,12 @@ pub fn report(drift: &Drift, repaired: bool, error: Option<String>) -> v1::Drift
 
 /// Runs forever: checks every `interval`, and at once when the applier asks (`wake`: a
 /// refusal that says the model and the kernel disagree).
+/// After a repair, `after` resyncs conntrack against the model (see
+/// [`Applier::after_repair`]); tests pass `None`.
 pub async fn run<K: Kernel + Send + 'static>(
     applier: Arc<Mutex<Applier<K>>>,
     health: Arc<Health>,
+    after: Option<Arc<AfterCommit>>,
     wake: Arc<Notify>,
     interval: Duration,
 ) {
@@ -116,7 +120,9 @@ pub async fn run<K: Kernel + Send + 'static>(
             if full {
                 a.request_reconcile();
             }
-            a.reconcile().map_err(Some)
+            let r = a.reconcile().map_err(Some)?;
+            let outcome = matches!(r, Reconciled::Repaired { .. }).then(|| a.after_repair());
+            Ok((r, outcome))
         })
         .await;
         health.metrics.reconcile_checked();
@@ -127,6 +133,15 @@ pub async fn run<K: Kernel + Send + 'static>(
                 health.metrics.reconcile_failed();
                 continue;
             }
+        };
+        let result = match result {
+            Ok((r, outcome)) => {
+                if let (Some(outcome), Some(after)) = (outcome, &after) {
+                    after.run(outcome).await;
+                }
+                Ok(r)
+            }
+            Err(e) => Err(e),
         };
         match result {
             Ok(Reconciled::NoModel | Reconciled::Unchanged) => {}
@@ -232,6 +247,7 @@ mod tests {
         let task = tokio::spawn(run(
             applier.clone(),
             health.clone(),
+            None,
             wake,
             Duration::from_millis(10),
         ));

@@ -57,6 +57,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tokio::spawn(reconcile::run(
         applier.clone(),
         health.clone(),
+        Some(after.clone()),
         wake,
         config.reconcile_interval,
     ));

@@ -231,6 +231,18 @@ impl<K: Kernel> Applier<K> {
         })
     }
 
+    /// What follows a repair, for after_commit.rs: the conntrack resync (UDP flows that began
+    /// while the tables were damaged were not DNATed, and would keep their entry to a Service
+    /// address that no endpoint answers) and the health check servers, against the model.
+    pub fn after_repair(&self) -> Outcome {
+        Outcome {
+            took: Duration::ZERO,
+            conntrack: conntrack::Plan::resync(&self.model),
+            guards: guards::Plan::between(&self.model, &self.model),
+            model: self.model.clone(),
+        }
+    }
+
     /// Takes the owned tables the kernel holds as the applied model, before any brain answers
     /// (restart without disruption): health checks, readiness and the conntrack resync work at
     /// once, and `Hello` carries the digest of what the node holds (epoch and generation 0).

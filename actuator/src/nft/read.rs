@@ -94,16 +94,19 @@ impl NftSocket {
         let mut last = None;
         for _ in 0..ATTEMPTS {
             let before = self.generation()?;
-            match self.read_once(table) {
-                Ok(model) => {
-                    let generation = self.generation()?;
-                    if generation == before {
-                        return Ok(ReadTables { model, generation });
-                    }
-                }
+            let read = self.read_once(table);
+            let generation = self.generation()?;
+            if generation != before {
+                // A commit landed meanwhile: whatever was read (or failed to decode, such as a
+                // rule of a chain created between two dumps) may mix two states.
+                last = Some(io::Error::other(
+                    "the ruleset kept changing while it was read",
+                ));
+                continue;
+            }
+            match read {
+                Ok(model) => return Ok(ReadTables { model, generation }),
                 Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::Interrupted => last = Some(e),
-                // A set or chain that went between two dumps reads as ENOENT.
-                Err(ReadError::Io(e)) if e.raw_os_error() == Some(2) => last = Some(e),
                 Err(e) => return Err(e),
             }
         }
