@@ -92,6 +92,7 @@ pub struct Recording {
     holds: Model,
     reads: usize,
     undecodable: Option<String>,
+    lose_acks: bool,
 }
 
 impl Recording {
@@ -132,6 +133,12 @@ impl Recording {
         self.generation = self.generation.wrapping_add(1);
     }
 
+    /// The next batch is taken, but its acknowledgements are lost: the caller gets
+    /// [`CommitError::AcksLost`] and cannot know the outcome.
+    pub fn lose_acks_next(&mut self) {
+        self.lose_acks = true;
+    }
+
     /// How many reads were made.
     pub fn reads(&self) -> usize {
         self.reads
@@ -168,6 +175,13 @@ impl Kernel for Recording {
         let Some(refusal) = self.refuse.take() else {
             self.committed.push(Recorded::of(batch));
             self.generation = self.generation.wrapping_add(1);
+            if std::mem::take(&mut self.lose_acks) {
+                return Err(CommitError::AcksLost {
+                    expected: batch.len(),
+                    received: 0,
+                    source: io::Error::from(io::ErrorKind::TimedOut),
+                });
+            }
             return Ok(());
         };
         let index = refusal.message.min(batch.len() - 1);

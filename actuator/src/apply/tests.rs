@@ -497,6 +497,28 @@ fn after_a_refusal_the_next_snapshot_replaces_the_tables() {
 }
 
 #[test]
+fn after_a_commit_of_unknown_outcome_the_next_snapshot_replaces_the_tables() {
+    let mut a = adopted(3);
+    let before = state(&a);
+    a.kernel_mut().lose_acks_next();
+    let d = delta(&a, remove(ENDPOINTS, vec![endpoints(3)[2].clone()]));
+    assert!(matches!(
+        a.apply(&d),
+        Err(ApplyError::Kernel(CommitError::AcksLost { .. }))
+    ));
+    // The model stays (the kernel may or may not have taken the batch) ...
+    assert_eq!(state(&a), before);
+    // ... and is not trusted for the next snapshot.
+    assert!(a.replaces_next_snapshot());
+    let n = a.kernel().committed().len();
+    a.apply(&snapshot(1, 3, &ruleset(2))).unwrap();
+    assert_eq!(
+        a.kernel().committed()[n].messages[0],
+        "destroy table ip splitproxy"
+    );
+}
+
+#[test]
 fn a_refusal_that_says_the_kernel_disagrees_wakes_the_reconciler() {
     let wake = std::sync::Arc::new(tokio::sync::Notify::new());
     let mut a = Applier::new(Recording::new(), TABLE.to_owned()).with_reconcile_wake(wake.clone());
