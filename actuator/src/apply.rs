@@ -8,6 +8,7 @@
 #[cfg(test)]
 mod fuzz_tests;
 pub mod kernel;
+pub mod reconcile;
 #[cfg(test)]
 mod tests;
 
@@ -99,10 +100,23 @@ pub struct Applier<K = NftSocket> {
     table: String,
     model: Model,
     applied: Applied,
-    /// False until the first commit of this process: the kernel may still hold the table a
-    /// previous run left, which the first snapshot replaces atomically (restart without
-    /// disruption, docs/invariants.md).
+    /// False until the first commit of this process, or until the tables were adopted from
+    /// the kernel (reconcile.rs): the kernel may still hold the table a previous run left,
+    /// which the first snapshot replaces atomically (restart without disruption,
+    /// docs/invariants.md).
     adopted: bool,
+    /// The kernel refused a transaction, or its outcome is unknown: the model may not be what
+    /// the kernel holds, so the next snapshot replaces the tables whole instead of being diffed
+    /// against it (a NACK never loops; "kernel is the truth"). Cleared by the next commit and
+    /// by a reconciliation that found or made the kernel equal to the model.
+    replace_next: bool,
+    /// The ruleset generation right after this applier's last commit (or check): another
+    /// value means someone else committed since (reconcile.rs).
+    kernel_generation: Option<u32>,
+    /// A refusal said the model and the kernel disagree (ENOENT, EEXIST): reconcile at once.
+    reconcile_due: bool,
+    /// Woken when `reconcile_due` is set, so the reconciler does not wait for its interval.
+    wake: Option<std::sync::Arc<tokio::sync::Notify>>,
 }
 
 impl<K: Kernel> Applier<K> {
@@ -113,7 +127,33 @@ impl<K: Kernel> Applier<K> {
             model: Model::default(),
             applied: Applied::default(),
             adopted: false,
+            replace_next: false,
+            kernel_generation: None,
+            reconcile_due: false,
+            wake: None,
         }
+    }
+
+    /// `wake` is notified when a refused transaction calls for a reconciliation at once.
+    pub fn with_reconcile_wake(mut self, wake: std::sync::Arc<tokio::sync::Notify>) -> Self {
+        self.wake = Some(wake);
+        self
+    }
+
+    /// Makes the next [`Applier::reconcile`] read the tables whatever the generation says.
+    pub fn request_reconcile(&mut self) {
+        self.reconcile_due = true;
+    }
+
+    /// The configured table name (`ip <table>` and `ip6 <table>`).
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// Whether the next snapshot replaces the tables whole (after a refused or unknown
+    /// commit, and before the first commit of a process).
+    pub fn replaces_next_snapshot(&self) -> bool {
+        !self.adopted || self.replace_next
     }
 
     pub fn applied(&self) -> &Applied {
@@ -180,7 +220,11 @@ impl<K: Kernel> Applier<K> {
         }
         let start = Instant::now();
         if !batch.is_empty() {
-            self.kernel.commit(&batch)?;
+            if let Err(e) = self.kernel.commit(&batch) {
+                self.refused(&e);
+                return Err(e.into());
+            }
+            self.kernel_generation = self.kernel.generation().ok();
         }
         let took = start.elapsed();
         // Costs what changed in the role-marked and guard sets (the models share structure).
@@ -193,6 +237,7 @@ impl<K: Kernel> Applier<K> {
         let guards = guards::Plan::between(&self.model, &next);
         self.model = next;
         self.adopted = true;
+        self.replace_next = false;
         self.applied = Applied {
             brain_epoch: update.brain_epoch,
             generation: update.generation,
@@ -215,25 +260,59 @@ impl<K: Kernel> Applier<K> {
         target: Model,
     ) -> Result<Outcome, ApplyError> {
         self.check_digest(update, &target)?;
-        let batch = if self.adopted {
+        let batch = if !self.replaces_next_snapshot() {
             let delta = self.model.diff(&target);
             self.check_ownership(&delta.upsert, &delta.remove)?;
             self.batch(&self.model, &delta.upsert, &delta.remove)?
         } else {
             // First update of this process: the kernel may hold a table from a previous run.
-            // Replace it whole, in one transaction, so packets see either the old table or the
-            // new one (restart without disruption).
-            for (family, name) in target.tables.keys() {
-                self.check_owned(*family, name)?;
-            }
-            let mut b = Batch::new();
-            for family in [Family::Ip, Family::Ip6] {
-                b.destroy_table(family, &self.table);
-            }
-            self.encode_model(&mut b, &target)?;
-            b
+            // Or the last transaction was refused or its outcome is unknown: the model may not
+            // be what the kernel holds, and a diff against it may be refused again. Replace
+            // the tables whole, in one transaction, so packets see either the old table or
+            // the new one (restart without disruption, kernel is the truth).
+            self.replacement(&target)?
         };
         self.commit(update, target, batch)
+    }
+
+    /// One transaction that destroys the owned tables and creates `target` whole.
+    fn replacement(&self, target: &Model) -> Result<Batch, ApplyError> {
+        for (family, name) in target.tables.keys() {
+            self.check_owned(*family, name)?;
+        }
+        let mut b = Batch::new();
+        for family in [Family::Ip, Family::Ip6] {
+            b.destroy_table(family, &self.table);
+        }
+        self.encode_model(&mut b, target)?;
+        Ok(b)
+    }
+
+    /// After a transaction failed in the kernel: the next snapshot replaces the tables, and a
+    /// refusal that says the model and the kernel disagree (a missing object, ENOENT, or one
+    /// that exists already, EEXIST) calls for a reconciliation at once.
+    fn refused(&mut self, e: &CommitError) {
+        if !matches!(
+            e,
+            CommitError::Rejected { .. } | CommitError::AcksLost { .. }
+        ) {
+            return; // nothing reached the kernel
+        }
+        self.replace_next = true;
+        const ENOENT: i32 = 2;
+        const EEXIST: i32 = 17;
+        let disagrees = match e {
+            CommitError::Rejected { failures } => {
+                failures.iter().any(|f| matches!(f.errno, ENOENT | EEXIST))
+            }
+            _ => true,
+        };
+        if disagrees {
+            self.reconcile_due = true;
+            if let Some(w) = &self.wake {
+                w.notify_one();
+            }
+        }
     }
 
     /// Every object of `model` as additions, elements decoded a chunk at a time.

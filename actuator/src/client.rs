@@ -324,6 +324,7 @@ async fn stream<K: Kernel + Send + 'static>(
     tracing::info!(%brain, node = %config.node, "stream open");
     progress.opened = Some(Instant::now());
     health.metrics.set_connected(true);
+    let _drift = DriftForwarder::start(tx.clone(), health.clone());
     // Parts of one update (same generation, `more` on all but the last) are applied as one
     // transaction. Snapshot parts are folded into a model as they arrive, so a node never holds
     // a whole decoded snapshot; delta parts (small) are joined.
@@ -420,6 +421,33 @@ async fn stream<K: Kernel + Send + 'static>(
         sent?;
     }
     Ok(None)
+}
+
+/// Sends the reconciler's drift reports (reconcile.rs) on the open stream, until the stream
+/// ends (dropped). A report the stream could not take goes back for the next one.
+struct DriftForwarder(tokio::task::JoinHandle<()>);
+
+impl DriftForwarder {
+    fn start(tx: mpsc::Sender<SyncRequest>, health: Arc<Health>) -> Self {
+        DriftForwarder(tokio::spawn(async move {
+            loop {
+                let report = health.drift.next().await;
+                let msg = SyncRequest {
+                    msg: Some(sync_request::Msg::Drift(report.clone())),
+                };
+                if tx.send(msg).await.is_err() {
+                    health.drift.requeue(report);
+                    return;
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for DriftForwarder {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// An update whose parts are still arriving.

@@ -4,6 +4,7 @@
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use http::Uri;
 
@@ -51,6 +52,33 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     pub log_format: String,
+    /// How often the kernel's tables are checked against the applied model: a generation
+    /// read (microseconds), and a read of the tables only when someone else committed
+    /// (kernel is the truth, docs/invariants.md). `500ms`, `1s`, `2m`, or seconds.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub reconcile_interval: Duration,
+}
+
+/// `500ms`, `10s`, `2m`, or a plain number of seconds; more than zero.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (number, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration such as 500ms, 10s or 2m"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("{s:?}: unit must be ms, s or m")),
+    };
+    if !(secs > 0.0 && secs < 86_400.0) {
+        return Err(format!("{s:?} must be more than 0 and less than a day"));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 /// Where the client's TLS material is. Read again at every connection, so rotated
@@ -85,6 +113,8 @@ pub struct Config {
     /// Where the health check servers listen while the model names no NodePort address
     /// (not a flag: [`healthcheck::DEFAULT_ADDRESSES`]).
     pub health_check_addresses: Vec<IpAddr>,
+    /// How often the kernel's tables are checked against the model (reconcile.rs).
+    pub reconcile_interval: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +185,7 @@ impl Config {
             healthz_bind_address: args.healthz_bind_address,
             metrics_bind_address: args.metrics_bind_address,
             health_check_addresses: healthcheck::DEFAULT_ADDRESSES.to_vec(),
+            reconcile_interval: args.reconcile_interval,
         })
     }
 
@@ -226,6 +257,27 @@ mod tests {
         let client = c.client();
         assert_eq!((client.node.as_str(), client.brains.len()), ("node-1", 3));
         assert_eq!(client.tls, c.tls);
+        assert_eq!(c.reconcile_interval, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn the_reconcile_interval_takes_units() {
+        for (flag, want) in [
+            ("500ms", Duration::from_millis(500)),
+            ("10s", Duration::from_secs(10)),
+            ("2m", Duration::from_secs(120)),
+            ("3", Duration::from_secs(3)),
+        ] {
+            let c = Config::resolve(
+                args(&["--hostname-override", "n", "--reconcile-interval", flag]),
+                no_hostname,
+            )
+            .unwrap();
+            assert_eq!(c.reconcile_interval, want, "{flag}");
+        }
+        for bad in ["0s", "-1s", "1h", "soon"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

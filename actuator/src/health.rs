@@ -1,9 +1,10 @@
 //! The actuator's local HTTP endpoints: /healthz (the process is up), /readyz (a first update
-//! has been applied; never goes back to false, since the node keeps forwarding with the last
-//! applied rules when the brain is away) on `--healthz-bind-address`, and /metrics on
-//! `--metrics-bind-address` only (loopback by default): health is for load balancers on the
-//! node's addresses, metrics are not for everyone who can reach the node. When both flags name
-//! the same address, one server answers both.
+//! has been applied, or the tables a previous run left were adopted at start-up and decode;
+//! never goes back to false, since the node keeps forwarding with the last applied rules when
+//! the brain is away) on `--healthz-bind-address`, and /metrics on `--metrics-bind-address` only
+//! (loopback by default): health is for load balancers on the node's addresses, metrics are not
+//! for everyone who can reach the node. When both flags name the same address, one server
+//! answers both.
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +23,8 @@ pub struct Health {
     /// cluster until a later one applies.
     pub apply_failing: AtomicBool,
     pub metrics: Metrics,
+    /// Drift the reconciler found, waiting for a brain stream to report it.
+    pub drift: crate::reconcile::DriftReports,
 }
 
 impl Health {
@@ -74,7 +77,10 @@ async fn readyz(State(h): State<Arc<Health>>) -> (StatusCode, &'static str) {
     if h.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ok\n")
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no update applied yet\n")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no update applied and no table adopted yet\n",
+        )
     }
 }
 

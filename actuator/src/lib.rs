@@ -12,6 +12,7 @@ pub mod healthcheck;
 pub mod metrics;
 pub(crate) mod netlink;
 pub mod nft;
+pub mod reconcile;
 pub mod run;
 
 pub use splitproxy_proto::process::init_logging;

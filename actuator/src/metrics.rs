@@ -31,6 +31,14 @@ struct Inner {
     conntrack_errors: u64,
     guarded_deleted: u64,
     guarded_errors: u64,
+    reconcile_checks: u64,
+    reconcile_reads: u64,
+    reconcile_read_seconds: f64,
+    reconcile_errors: u64,
+    /// Repairs by kind of object that drifted (see `apply::reconcile::Drift::kinds`).
+    drift_repairs: std::collections::BTreeMap<&'static str, u64>,
+    drift_repair_errors: u64,
+    adopted: bool,
 }
 
 #[derive(Debug)]
@@ -55,6 +63,13 @@ impl Default for Metrics {
                 conntrack_errors: 0,
                 guarded_deleted: 0,
                 guarded_errors: 0,
+                reconcile_checks: 0,
+                reconcile_reads: 0,
+                reconcile_read_seconds: 0.0,
+                reconcile_errors: 0,
+                drift_repairs: Default::default(),
+                drift_repair_errors: 0,
+                adopted: false,
             }),
         }
     }
@@ -107,6 +122,47 @@ impl Metrics {
     /// A guarded entries cleanup that failed.
     pub fn guarded_cleanup_failed(&self) {
         self.with(|i| i.guarded_errors += 1)
+    }
+
+    /// One reconciliation check (a generation read, and a table read if it moved).
+    pub fn reconcile_checked(&self) {
+        self.with(|i| i.reconcile_checks += 1)
+    }
+
+    /// The tables were read back from the kernel, taking `took`.
+    pub fn reconcile_read(&self, took: Duration) {
+        self.with(|i| {
+            i.reconcile_reads += 1;
+            i.reconcile_read_seconds = took.as_secs_f64();
+        })
+    }
+
+    /// A check that could not run (netlink failed).
+    pub fn reconcile_failed(&self) {
+        self.with(|i| i.reconcile_errors += 1)
+    }
+
+    /// Drift repaired; `kinds` says what had drifted ("table", "chain", "set", "element",
+    /// "undecodable").
+    pub fn drift_repaired(&self, kinds: &[&'static str]) {
+        self.with(|i| {
+            for k in kinds {
+                *i.drift_repairs.entry(k).or_default() += 1;
+            }
+        })
+    }
+
+    /// Drift found whose repair the kernel refused.
+    pub fn drift_repair_failed(&self) {
+        self.with(|i| i.drift_repair_errors += 1)
+    }
+
+    /// The tables a previous run left were adopted as the model at start-up.
+    pub fn set_adopted(&self, elements: usize) {
+        self.with(|i| {
+            i.adopted = true;
+            i.elements = elements as u64;
+        })
     }
 
     pub fn set_connected(&self, c: bool) {
@@ -201,11 +257,58 @@ impl Metrics {
                 i.guarded_errors as f64,
             ),
         ];
-        for (name, kind, help, v) in gauges {
+        let reconcile = [
+            (
+                "splitproxy_actuator_reconcile_checks_total",
+                "counter",
+                "Checks of the kernel's tables against the applied model (a generation read each).",
+                i.reconcile_checks as f64,
+            ),
+            (
+                "splitproxy_actuator_reconcile_reads_total",
+                "counter",
+                "Checks that read the tables back because someone else committed.",
+                i.reconcile_reads as f64,
+            ),
+            (
+                "splitproxy_actuator_reconcile_read_duration_seconds",
+                "gauge",
+                "Time the last read of the tables took.",
+                i.reconcile_read_seconds,
+            ),
+            (
+                "splitproxy_actuator_reconcile_errors_total",
+                "counter",
+                "Checks that could not run.",
+                i.reconcile_errors as f64,
+            ),
+            (
+                "splitproxy_actuator_drift_repair_errors_total",
+                "counter",
+                "Drift found whose repair the kernel refused (the next snapshot replaces the tables).",
+                i.drift_repair_errors as f64,
+            ),
+            (
+                "splitproxy_actuator_adopted",
+                "gauge",
+                "1 when the tables a previous run left were adopted at start-up.",
+                i.adopted as u8 as f64,
+            ),
+        ];
+        for (name, kind, help, v) in gauges.into_iter().chain(reconcile) {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
+        }
+        let name = "splitproxy_actuator_drift_repairs_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Repairs of the kernel's tables, by kind of object that had drifted from the applied model.\n# TYPE {name} counter"
+        );
+        for what in ["table", "chain", "set", "element", "undecodable"] {
+            let v = i.drift_repairs.get(what).copied().unwrap_or(0);
+            let _ = writeln!(out, "{name}{{what=\"{what}\"}} {v}");
         }
         out
     }

@@ -145,6 +145,9 @@ pub struct NodeState {
     /// While the brain does not know what the node holds (before its first ack, after a NACK):
     /// since when it has been behind, for its lag.
     pub behind_since: Option<Instant>,
+    /// Drift the node reported ("kernel is the truth"): how many reports, and the latest.
+    pub drifts: u64,
+    pub last_drift: Option<splitproxy_proto::v1::Drift>,
 }
 
 /// Session ids, unique within the process.
@@ -562,6 +565,25 @@ impl Fanout {
         Some((held, Resumption::ByContent))
     }
 
+    /// Records a drift report from a node: counted and kept for ListNodes, logged. The node
+    /// repaired its tables back to what it acked, so nothing else changes.
+    pub fn record_drift(&self, node: &str, drift: splitproxy_proto::v1::Drift) {
+        tracing::warn!(
+            node,
+            summary = %drift.summary,
+            kinds = ?drift.kinds,
+            repaired = drift.repaired,
+            error = %drift.error,
+            "node reported drift in its tables"
+        );
+        let Ok(mut nodes) = self.nodes.lock() else {
+            return;
+        };
+        let st = nodes.entry(node.to_string()).or_default();
+        st.drifts += 1;
+        st.last_drift = Some(drift);
+    }
+
     /// Records a node's answer to the update that took it to `sent` (version and model).
     pub fn record_ack(&self, node: &str, ack: &Ack, sent: Held) -> bool {
         let apply = ack
@@ -776,3 +798,37 @@ impl Fanout {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod drift_tests {
+    use std::sync::Arc;
+
+    use splitproxy_proto::v1::Drift;
+
+    use super::Fanout;
+    use crate::metrics::Metrics;
+
+    #[test]
+    fn drift_reports_are_counted_per_node_and_the_latest_kept() {
+        let f = Fanout::new(Arc::new(Metrics::default()), 4, 1024);
+        for summary in ["missing elements: 1", "missing tables: ip splitproxy"] {
+            f.record_drift(
+                "node-0",
+                Drift {
+                    summary: summary.to_owned(),
+                    kinds: vec!["element".to_owned()],
+                    repaired: true,
+                    ..Drift::default()
+                },
+            );
+        }
+        let nodes = f.nodes.lock().unwrap();
+        let st = &nodes["node-0"];
+        assert_eq!(st.drifts, 2);
+        let last = st.last_drift.as_ref().unwrap();
+        assert_eq!(last.summary, "missing tables: ip splitproxy");
+        assert!(last.repaired);
+        // Nothing else about the node changes: it acked nothing new.
+        assert!(st.acked.is_none() && st.last_error.is_empty());
+    }
+}

@@ -74,6 +74,24 @@ fn check_hello(hello: &splitproxy_proto::v1::Hello) -> Result<(), String> {
     Ok(())
 }
 
+/// A drift report with every text the node sent bounded, as [`bounded_ack`] does for acks:
+/// the brain logs and keeps the latest one per node, and `ListNodes` returns it.
+fn bounded_drift(mut drift: splitproxy_proto::v1::Drift) -> splitproxy_proto::v1::Drift {
+    const MAX_KINDS: usize = 16;
+    for text in [&mut drift.summary, &mut drift.error] {
+        if text.len() > auth::MAX_PEER_TEXT {
+            *text = auth::bounded(text, auth::MAX_PEER_TEXT);
+        }
+    }
+    drift.kinds.truncate(MAX_KINDS);
+    for kind in &mut drift.kinds {
+        if kind.len() > 64 {
+            *kind = auth::bounded(kind, 64);
+        }
+    }
+    drift
+}
+
 /// An ack with every text the node sent bounded ([`auth::MAX_PEER_TEXT`]): the brain keeps
 /// and logs these, and `ListNodes` returns them.
 fn bounded_ack(mut ack: splitproxy_proto::v1::Ack) -> splitproxy_proto::v1::Ack {
@@ -187,6 +205,14 @@ impl Dataplane for DataplaneService {
                 last_errno: st.last_errno,
                 last_refused_message: st.last_refused_message.clone(),
                 last_kernel_message: st.last_kernel_message.clone(),
+                drifts: st.drifts,
+                last_drift: st
+                    .last_drift
+                    .as_ref()
+                    .map(|d| d.summary.clone())
+                    .unwrap_or_default(),
+                last_drift_at: st.last_drift.as_ref().and_then(|d| d.detected_at),
+                last_drift_repaired: st.last_drift.as_ref().is_some_and(|d| d.repaired),
                 peer: st.peer.clone(),
                 in_sync: st
                     .acked
@@ -306,7 +332,7 @@ async fn session(
                 }
                 tokio::select! {
                     r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
-                    msg = inbound.next() => return unexpected(msg),
+                    msg = next_inbound(fanout, node, &mut inbound) => return unexpected(msg),
                 }
                 continue;
             }
@@ -325,7 +351,9 @@ async fn session(
                 .await
                 .map_err(|_| Status::cancelled("node went away"))?;
         }
-        let ack = match tokio::time::timeout(ACK_TIMEOUT, inbound.next()).await {
+        let ack = match tokio::time::timeout(ACK_TIMEOUT, next_inbound(fanout, node, &mut inbound))
+            .await
+        {
             Err(_) => return Err(Status::deadline_exceeded("no ack")),
             Ok(Some(Ok(SyncRequest {
                 msg: Some(sync_request::Msg::Ack(ack)),
@@ -401,12 +429,30 @@ async fn until(at: Option<std::time::SystemTime>) {
     }
 }
 
+/// The node's next message that is not a drift report. Drift reports may come at any point
+/// after Hello (the node's reconciler sends them unasked); each is recorded as it arrives.
+/// Cancel-safe: a report is recorded before the next message is awaited.
+async fn next_inbound(
+    fanout: &Fanout,
+    node: &str,
+    inbound: &mut Streaming<SyncRequest>,
+) -> Option<Result<SyncRequest, Status>> {
+    loop {
+        match inbound.next().await {
+            Some(Ok(SyncRequest {
+                msg: Some(sync_request::Msg::Drift(drift)),
+            })) => fanout.record_drift(node, bounded_drift(drift)),
+            other => return other,
+        }
+    }
+}
+
 fn unexpected(msg: Option<Result<SyncRequest, Status>>) -> Result<(), Status> {
     match msg {
         None => Err(Status::cancelled("node closed its stream")),
         Some(Err(e)) => Err(e),
         Some(Ok(_)) => Err(Status::invalid_argument(
-            "unexpected message: only acks follow Hello",
+            "unexpected message: only acks and drift reports follow Hello",
         )),
     }
 }

@@ -597,6 +597,10 @@ fn run_steps(adopted: bool, steps: &[Step]) -> Result<(), TestCaseError> {
         if let Some(i) = step.refuse {
             a.kernel_mut().refuse_next_at(i, 22, "Invalid argument");
         }
+        // After a kernel refusal the applier no longer trusts its model to be the kernel's, and
+        // replaces the tables whole with its next snapshot (a NACK never loops); the twin, which
+        // saw no refusal, diffs.
+        let replacing = a.replaces_next_snapshot() && !twin.replaces_next_snapshot();
         let result = a.apply(&update);
         let refused_now = a.kernel().refused().len();
         check(
@@ -604,9 +608,8 @@ fn run_steps(adopted: bool, steps: &[Step]) -> Result<(), TestCaseError> {
             &mut twin,
             &update,
             &before,
-            committed,
-            refused,
-            refused_now,
+            (committed, refused, refused_now),
+            replacing,
             result,
         )?;
         // A refusal not used up (nothing reached the kernel) must not leak into the next step.
@@ -620,15 +623,13 @@ fn run_steps(adopted: bool, steps: &[Step]) -> Result<(), TestCaseError> {
 }
 
 /// The properties of one update's outcome (see the module's doc).
-#[allow(clippy::too_many_arguments)]
 fn check(
     a: &mut Applier<Recording>,
     twin: &mut Applier<Recording>,
     update: &Update,
     before: &(Model, Applied, bool),
-    committed: usize,
-    refused: usize,
-    refused_now: usize,
+    (committed, refused, refused_now): (usize, usize, usize),
+    replacing: bool,
     result: Result<Outcome, ApplyError>,
 ) -> Result<(), TestCaseError> {
     match result {
@@ -679,15 +680,28 @@ fn check(
                 well_formed(&batch.messages)?;
             }
             // The twin, which never saw a refused update, ends in the same place.
+            let twin_committed = twin.kernel().committed().len();
             let theirs = twin.apply(update);
             prop_assert!(theirs.is_ok(), "twin refused: {:?}", theirs.err());
             let theirs = theirs.unwrap();
             prop_assert_eq!(after_commit(&outcome), after_commit(&theirs));
             prop_assert_eq!(twin.applied(), a.applied());
-            prop_assert_eq!(
-                twin.kernel().committed().last(),
-                a.kernel().committed().last()
+            prop_assert_eq!(twin.model(), a.model());
+            // What this update sent, on each side.
+            let (ours, theirs) = (
+                &a.kernel().committed()[committed..],
+                &twin.kernel().committed()[twin_committed..],
             );
+            if replacing && matches!(update.body, Some(Body::Snapshot(_))) {
+                // A whole replacement: the owned tables destroyed first, in the same batch.
+                prop_assert!(
+                    ours.iter()
+                        .any(|b| b.messages.iter().any(|m| m.starts_with("destroy table"))),
+                    "after a refusal the snapshot replaces the tables whole: {ours:?}"
+                );
+            } else {
+                prop_assert_eq!(theirs, ours);
+            }
         }
         Err(e) => {
             prop_assert_eq!(&state(a), before, "a refused update changes nothing: {}", e);

@@ -1,23 +1,44 @@
 //! The kernel as the applier sees it: something that takes a [`Batch`] as one transaction,
-//! all of it or none of it ("atomic", docs/invariants.md).
+//! all of it or none of it ("atomic", docs/invariants.md), and that can say whether anything
+//! was committed since (its generation) and what the owned tables hold (a read), for
+//! reconciliation and adoption ("kernel is the truth").
 //!
 //! [`NftSocket`] is the real one. [`Recording`] is a fake for tests and benchmarks that need
 //! no kernel and no root: it keeps every batch it accepts (how many messages, and what each
 //! does, as the error reports describe it) and can be told to refuse the next one the way
 //! nf_tables does, with an errno and an extended-ack text, so that the applier's failure path
 //! runs without a kernel that misbehaves on cue.
-use crate::nft::{Batch, CommitError, MessageFailure, NftSocket};
+use std::io;
 
-/// Commits batches. Implemented by [`NftSocket`] and by the [`Recording`] fake.
+use splitproxy_proto::model::Model;
+
+use crate::nft::{Batch, CommitError, MessageFailure, NftSocket, ReadError, ReadTables};
+
+/// Commits batches and reads the owned tables back. Implemented by [`NftSocket`] and by the
+/// [`Recording`] fake.
 pub trait Kernel {
     /// Commits `batch` as one transaction. On error nothing of it was applied, unless
     /// [`CommitError::rolled_back`] says the outcome is unknown.
     fn commit(&mut self, batch: &Batch) -> Result<(), CommitError>;
+
+    /// The ruleset generation: it changes with every transaction anyone commits.
+    fn generation(&mut self) -> io::Result<u32>;
+
+    /// The tables `ip <table>` and `ip6 <table>` as the kernel holds them (nft/read.rs).
+    fn read_tables(&mut self, table: &str) -> Result<ReadTables, ReadError>;
 }
 
 impl Kernel for NftSocket {
     fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
         NftSocket::commit(self, batch)
+    }
+
+    fn generation(&mut self) -> io::Result<u32> {
+        NftSocket::generation(self)
+    }
+
+    fn read_tables(&mut self, table: &str) -> Result<ReadTables, ReadError> {
+        NftSocket::read_tables(self, table)
     }
 }
 
@@ -59,12 +80,19 @@ struct Refusal {
 
 /// A fake kernel that records what it is sent, in the spirit of google/nftables' recorder and
 /// knftables' fake. It checks nothing about the messages themselves (the kernel tests under
-/// nft/tests do): what it answers is what it was told to.
+/// nft/tests do): what it answers is what it was told to. Its generation moves with every
+/// batch it takes and with [`Recording::tamper`]; a read returns the tables it was given
+/// ([`Recording::hold`]), empty until then.
 #[derive(Debug, Default)]
 pub struct Recording {
     committed: Vec<Recorded>,
     refused: Vec<Recorded>,
     refuse: Option<Refusal>,
+    generation: u32,
+    holds: Model,
+    reads: usize,
+    undecodable: Option<String>,
+    lose_acks: bool,
 }
 
 impl Recording {
@@ -85,6 +113,35 @@ impl Recording {
     /// The latest batch taken.
     pub fn last(&self) -> Option<&Recorded> {
         self.committed.last()
+    }
+
+    /// What a read returns from now on (the fake does not interpret batches).
+    pub fn hold(&mut self, tables: Model) {
+        self.holds = tables;
+        self.undecodable = None;
+    }
+
+    /// Someone else commits: the tables become `tables` and the generation moves.
+    pub fn tamper(&mut self, tables: Model) {
+        self.hold(tables);
+        self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// Someone else commits something a read cannot decode.
+    pub fn tamper_undecodable(&mut self, why: &str) {
+        self.undecodable = Some(why.to_owned());
+        self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// The next batch is taken, but its acknowledgements are lost: the caller gets
+    /// [`CommitError::AcksLost`] and cannot know the outcome.
+    pub fn lose_acks_next(&mut self) {
+        self.lose_acks = true;
+    }
+
+    /// How many reads were made.
+    pub fn reads(&self) -> usize {
+        self.reads
     }
 
     /// Refuses the next commit, blaming its first message, with `errno` (positive, e.g. 2 for
@@ -117,6 +174,14 @@ impl Kernel for Recording {
         }
         let Some(refusal) = self.refuse.take() else {
             self.committed.push(Recorded::of(batch));
+            self.generation = self.generation.wrapping_add(1);
+            if std::mem::take(&mut self.lose_acks) {
+                return Err(CommitError::AcksLost {
+                    expected: batch.len(),
+                    received: 0,
+                    source: io::Error::from(io::ErrorKind::TimedOut),
+                });
+            }
             return Ok(());
         };
         let index = refusal.message.min(batch.len() - 1);
@@ -128,6 +193,24 @@ impl Kernel for Recording {
                 description: batch.describe(index, None),
                 kernel_message: Some(refusal.kernel_message).filter(|m| !m.is_empty()),
             }],
+        })
+    }
+
+    fn generation(&mut self) -> io::Result<u32> {
+        Ok(self.generation)
+    }
+
+    fn read_tables(&mut self, _table: &str) -> Result<ReadTables, ReadError> {
+        self.reads += 1;
+        if let Some(why) = &self.undecodable {
+            return Err(ReadError::Decode(crate::nft::DecodeError {
+                what: "set",
+                why: why.clone(),
+            }));
+        }
+        Ok(ReadTables {
+            model: self.holds.clone(),
+            generation: self.generation,
         })
     }
 }

@@ -442,3 +442,238 @@ fn an_object_the_kernel_cannot_be_told_about_sends_nothing() {
     assert_eq!(a.kernel().committed().len(), 1);
     assert!(a.kernel().refused().is_empty());
 }
+
+// ---- kernel is the truth: a NACK never loops, drift is repaired, tables are adopted ----
+
+use super::reconcile::{Drift, Reconciled};
+
+/// The model of `ruleset(n)` without the endpoint of slot `slot`.
+fn without_endpoint(n: u32, slot: u32) -> Model {
+    let mut m = Model::from_ruleset(&ruleset(n));
+    m.apply(&remove(
+        ENDPOINTS,
+        vec![endpoints(n)[slot as usize].clone()],
+    ));
+    m
+}
+
+#[test]
+fn after_a_refusal_the_next_snapshot_replaces_the_tables() {
+    let mut a = adopted(3);
+    assert!(!a.replaces_next_snapshot());
+    // The kernel lost an element behind the model's back: deleting it is refused (ENOENT).
+    a.kernel_mut().refuse_next(2, "No such file or directory");
+    let d = delta(&a, remove(ENDPOINTS, vec![endpoints(3)[2].clone()]));
+    let err = a.apply(&d).unwrap_err();
+    assert_eq!(err.errno(), Some(2));
+    assert!(
+        a.replaces_next_snapshot(),
+        "the model may not be the kernel's"
+    );
+
+    // The brain's recovery snapshot (same content as the refused delta's target) is not
+    // diffed against the stale model: it replaces the tables in one transaction.
+    let before = a.kernel().committed().len();
+    a.apply(&snapshot(1, 3, &ruleset(2))).unwrap();
+    let sent = &a.kernel().committed()[before..];
+    assert_eq!(sent.len(), 1, "one transaction");
+    assert_eq!(sent[0].messages[0], "destroy table ip splitproxy");
+    assert_eq!(sent[0].messages[1], "destroy table ip6 splitproxy");
+    assert!(!a.replaces_next_snapshot());
+    assert_eq!(a.model(), &Model::from_ruleset(&ruleset(2)));
+
+    // From then on, snapshots are diffed again.
+    let before = a.kernel().committed().len();
+    a.apply(&snapshot(1, 4, &ruleset(3))).unwrap();
+    let sent = &a.kernel().committed()[before..];
+    assert!(
+        sent[0]
+            .messages
+            .iter()
+            .all(|m| !m.starts_with("destroy table")),
+        "{:?}",
+        sent[0].messages
+    );
+}
+
+#[test]
+fn after_a_commit_of_unknown_outcome_the_next_snapshot_replaces_the_tables() {
+    let mut a = adopted(3);
+    let before = state(&a);
+    a.kernel_mut().lose_acks_next();
+    let d = delta(&a, remove(ENDPOINTS, vec![endpoints(3)[2].clone()]));
+    assert!(matches!(
+        a.apply(&d),
+        Err(ApplyError::Kernel(CommitError::AcksLost { .. }))
+    ));
+    // The model stays (the kernel may or may not have taken the batch) ...
+    assert_eq!(state(&a), before);
+    // ... and is not trusted for the next snapshot.
+    assert!(a.replaces_next_snapshot());
+    let n = a.kernel().committed().len();
+    a.apply(&snapshot(1, 3, &ruleset(2))).unwrap();
+    assert_eq!(
+        a.kernel().committed()[n].messages[0],
+        "destroy table ip splitproxy"
+    );
+}
+
+#[test]
+fn a_refusal_that_says_the_kernel_disagrees_wakes_the_reconciler() {
+    let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned()).with_reconcile_wake(wake.clone());
+    a.apply(&snapshot(1, 1, &ruleset(3))).unwrap();
+    a.kernel_mut().hold(Model::from_ruleset(&ruleset(3)));
+    a.kernel_mut().refuse_next(17, "File exists");
+    let d = delta(
+        &a,
+        add(endpoints_map(ENDPOINTS, IpFamily::V4, vec![]), endpoints(4)),
+    );
+    assert!(a.apply(&d).is_err());
+    // Woken: the permit is stored even though nobody waits yet.
+    let woken = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+        .block_on(async {
+            tokio::time::timeout(std::time::Duration::from_millis(100), wake.notified())
+                .await
+                .is_ok()
+        });
+    assert!(woken);
+    // The generation did not move (the refused batch changed nothing), yet the tables are read.
+    assert!(matches!(a.reconcile().unwrap(), Reconciled::Clean { .. }));
+    assert_eq!(a.kernel().reads(), 1);
+    // The kernel equals the model: the next snapshot is diffed again.
+    assert!(!a.replaces_next_snapshot());
+    // Nothing committed since: the next check reads nothing.
+    assert_eq!(a.reconcile().unwrap(), Reconciled::Unchanged);
+    assert_eq!(a.kernel().reads(), 1);
+}
+
+#[test]
+fn reconciliation_reads_only_when_the_generation_moved_and_repairs_in_one_batch() {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    assert_eq!(a.reconcile().unwrap(), Reconciled::NoModel);
+    a.apply(&snapshot(1, 1, &ruleset(3))).unwrap();
+    a.kernel_mut().hold(Model::from_ruleset(&ruleset(3)));
+    assert_eq!(a.reconcile().unwrap(), Reconciled::Unchanged);
+    assert_eq!(a.kernel().reads(), 0);
+
+    // Someone commits without changing the owned tables: read, found clean.
+    a.kernel_mut().tamper(Model::from_ruleset(&ruleset(3)));
+    assert!(matches!(a.reconcile().unwrap(), Reconciled::Clean { .. }));
+    assert_eq!(a.reconcile().unwrap(), Reconciled::Unchanged);
+
+    // Someone deletes an endpoint: repaired by one transaction that replaces the tables.
+    let (model, applied) = (a.model().clone(), a.applied().clone());
+    a.kernel_mut().tamper(without_endpoint(3, 1));
+    let before = a.kernel().committed().len();
+    let Reconciled::Repaired { drift, .. } = a.reconcile().unwrap() else {
+        panic!("not repaired")
+    };
+    assert_eq!(drift.missing_elements, 1, "{drift}");
+    assert_eq!(drift.kinds(), vec!["element"]);
+    let sent = &a.kernel().committed()[before..];
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].messages[0], "destroy table ip splitproxy");
+    assert!(
+        sent[0]
+            .messages
+            .contains(&"add table ip splitproxy".to_owned())
+    );
+    // The model and what the brain was told do not move.
+    assert_eq!((a.model(), a.applied()), (&model, &applied));
+    a.kernel_mut().hold(model.clone());
+    assert_eq!(a.reconcile().unwrap(), Reconciled::Unchanged);
+
+    // The whole table deleted.
+    a.kernel_mut().tamper(Model::default());
+    let Reconciled::Repaired { drift, .. } = a.reconcile().unwrap() else {
+        panic!("not repaired")
+    };
+    assert_eq!(drift.missing_tables, vec!["ip splitproxy".to_owned()]);
+    a.kernel_mut().hold(model.clone());
+
+    // Something the reader cannot decode (a set `nft` made).
+    a.kernel_mut()
+        .tamper_undecodable("rogue: no splitproxy userdata");
+    let Reconciled::Repaired { drift, .. } = a.reconcile().unwrap() else {
+        panic!("not repaired")
+    };
+    assert_eq!(drift.kinds(), vec!["undecodable"]);
+
+    // A repair the kernel refuses is an error, and the next snapshot replaces the tables.
+    a.kernel_mut().tamper(without_endpoint(3, 0));
+    a.kernel_mut().refuse_next(12, "Cannot allocate memory");
+    assert!(a.reconcile().is_err());
+    assert!(a.replaces_next_snapshot());
+}
+
+#[test]
+fn drift_names_what_is_missing_and_what_is_rogue() {
+    let model = Model::from_ruleset(&ruleset(3));
+    assert!(Drift::between(&model, &model).is_empty());
+
+    let mut rogue = model.clone();
+    rogue.apply(&add(
+        endpoints_map(ENDPOINTS, IpFamily::V4, vec![]),
+        vec![endpoint("10.96.0.99", UDP, 53, 0, "10.244.9.9", 53)],
+    ));
+    let d = Drift::between(&model, &rogue);
+    assert_eq!((d.rogue_elements, d.missing_elements), (1, 0), "{d}");
+
+    // A flushed map: every element missing.
+    let mut flushed = model.clone();
+    flushed.apply(&remove(ENDPOINTS, endpoints(3)));
+    let d = Drift::between(&model, &flushed);
+    assert_eq!(d.missing_elements, 3, "{d}");
+    assert_eq!(d.to_string(), "missing elements: 3");
+
+    // A set gone.
+    let mut no_set = model.clone();
+    no_set.remove_set(&(Family::Ip, TABLE.to_owned()), MEMBERS);
+    let d = Drift::between(&model, &no_set);
+    assert_eq!((d.missing_sets, d.kinds()), (1, vec!["set"]), "{d}");
+
+    // A table that should not be there.
+    let d = Drift::between(&Model::default(), &model);
+    assert_eq!(d.rogue_tables, vec!["ip splitproxy".to_owned()]);
+}
+
+#[test]
+fn adoption_takes_the_kernels_tables_as_the_applied_model() {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    // No table: nothing adopted, the first snapshot replaces as before.
+    assert!(a.adopt().unwrap().is_none());
+    assert!(a.replaces_next_snapshot());
+
+    let held = Model::from_ruleset(&ruleset(3));
+    a.kernel_mut().hold(held.clone());
+    let outcome = a.adopt().unwrap().unwrap();
+    assert_eq!(outcome.model, held);
+    assert!(
+        outcome.conntrack.resyncs(),
+        "endpoints may have gone meanwhile"
+    );
+    assert_eq!(
+        a.applied(),
+        &Applied {
+            brain_epoch: 0,
+            generation: 0,
+            digest: held.digest(),
+        }
+    );
+    // The brain's snapshot of the same state costs nothing; of another, the difference.
+    a.apply(&snapshot(1, 1, &ruleset(3))).unwrap();
+    assert!(a.kernel().committed().is_empty());
+    a.apply(&snapshot(1, 2, &ruleset(2))).unwrap();
+    let m = &a.kernel().committed()[0].messages;
+    assert!(m.iter().all(|m| !m.starts_with("destroy table")), "{m:?}");
+
+    // Tables it cannot read back are not adopted.
+    let mut b = Applier::new(Recording::new(), TABLE.to_owned());
+    b.kernel_mut().tamper_undecodable("rogue");
+    assert!(b.adopt().is_err());
+    assert!(b.replaces_next_snapshot());
+}

@@ -5,9 +5,9 @@ use splitproxy_proto::v1::{BaseChain, Chain, ChainType, Hook};
 
 use super::check;
 use super::consts::*;
-use super::error::EncodeError;
-use super::udata::Udata;
-use crate::netlink::attr::NlaBuf;
+use super::error::{DecodeError, EncodeError};
+use super::udata::{Udata, comment_of};
+use crate::netlink::attr::{Attrs, NlaBuf};
 
 fn hook_number(hook: i32) -> Result<u32, EncodeError> {
     Ok(match check::enum_value::<Hook>("chain.base.hook", hook)? {
@@ -87,24 +87,25 @@ pub(crate) fn encode_name(
     Ok(())
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::netlink::attr::Attrs;
-    use crate::nft::udata::comment_of;
-
-    /// (table, chain) of a chain message's attributes; the rules are not part of it.
-    pub(crate) fn decode(attrs: &Attrs<'_>) -> (String, Chain) {
-        let s = |ty| {
-            attrs
-                .find(ty)
-                .and_then(|a| a.str())
-                .unwrap_or_default()
-                .to_owned()
-        };
-        let base = attrs.find(NFTA_CHAIN_HOOK).map(|h| {
+/// (table, chain) of a chain message's attributes (NFT_MSG_NEWCHAIN, as a dump returns it);
+/// the rules are separate messages.
+pub(crate) fn decode(attrs: &Attrs<'_>) -> Result<(String, Chain), DecodeError> {
+    let err = |why: &str| DecodeError::new("chain", why.to_owned());
+    let s = |ty| {
+        attrs
+            .find(ty)
+            .and_then(|a| a.str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let base = match attrs.find(NFTA_CHAIN_HOOK) {
+        None => None,
+        Some(h) => {
             let h = h.nested();
-            let num = h.find(NFTA_HOOK_HOOKNUM).and_then(|a| a.u32_be()).unwrap();
+            let num = h
+                .find(NFTA_HOOK_HOOKNUM)
+                .and_then(|a| a.u32_be())
+                .ok_or_else(|| err("no hook number"))?;
             let hook = [
                 Hook::Prerouting,
                 Hook::Input,
@@ -114,33 +115,47 @@ pub(crate) mod tests {
             ]
             .into_iter()
             .find(|k| hook_number(*k as i32).ok() == Some(num))
-            .unwrap();
+            .ok_or_else(|| err("unknown hook"))?;
             let ty = [ChainType::Filter, ChainType::Nat, ChainType::Route]
                 .into_iter()
                 .find(|t| type_name(*t as i32).ok() == Some(s(NFTA_CHAIN_TYPE).as_str()))
-                .unwrap();
+                .ok_or_else(|| err("unknown type"))?;
             let policy = attrs
                 .find(NFTA_CHAIN_POLICY)
                 .and_then(|a| a.u32_be())
-                .unwrap();
-            BaseChain {
+                .ok_or_else(|| err("no policy"))?;
+            let priority = h
+                .find(NFTA_HOOK_PRIORITY)
+                .and_then(|a| a.u32_be())
+                .ok_or_else(|| err("no priority"))?;
+            Some(BaseChain {
                 hook: hook as i32,
                 r#type: ty as i32,
-                priority: h.find(NFTA_HOOK_PRIORITY).and_then(|a| a.u32_be()).unwrap() as i32,
+                priority: priority as i32,
                 policy_drop: policy == NF_DROP as u32,
-            }
-        });
-        let comment = attrs
-            .find(NFTA_CHAIN_USERDATA)
-            .map(|a| comment_of(a.value, NFTNL_UDATA_CHAIN_COMMENT))
-            .unwrap_or_default();
-        let chain = Chain {
-            name: s(NFTA_CHAIN_NAME),
-            base,
-            comment,
-            rules: vec![],
-        };
-        (s(NFTA_CHAIN_TABLE), chain)
+            })
+        }
+    };
+    let comment = attrs
+        .find(NFTA_CHAIN_USERDATA)
+        .map(|a| comment_of(a.value, NFTNL_UDATA_CHAIN_COMMENT))
+        .unwrap_or_default();
+    let chain = Chain {
+        name: s(NFTA_CHAIN_NAME),
+        base,
+        comment,
+        rules: vec![],
+    };
+    Ok((s(NFTA_CHAIN_TABLE), chain))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// [`super::decode`], for tests.
+    pub(crate) fn decode(attrs: &Attrs<'_>) -> (String, Chain) {
+        super::decode(attrs).unwrap()
     }
 
     #[test]

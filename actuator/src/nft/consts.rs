@@ -20,16 +20,26 @@ pub const NFPROTO_IPV6: u8 = 10;
 
 // ---- message types (enum nf_tables_msg_types) ----
 pub const NFT_MSG_NEWTABLE: u8 = 0;
+pub const NFT_MSG_GETTABLE: u8 = 1;
 pub const NFT_MSG_DELTABLE: u8 = 2;
 pub const NFT_MSG_NEWCHAIN: u8 = 3;
+pub const NFT_MSG_GETCHAIN: u8 = 4;
 pub const NFT_MSG_DELCHAIN: u8 = 5;
 pub const NFT_MSG_NEWRULE: u8 = 6;
+pub const NFT_MSG_GETRULE: u8 = 7;
 pub const NFT_MSG_DELRULE: u8 = 8;
 pub const NFT_MSG_NEWSET: u8 = 9;
+pub const NFT_MSG_GETSET: u8 = 10;
 pub const NFT_MSG_DELSET: u8 = 11;
 pub const NFT_MSG_NEWSETELEM: u8 = 12;
 pub const NFT_MSG_GETSETELEM: u8 = 13;
 pub const NFT_MSG_DELSETELEM: u8 = 14;
+pub const NFT_MSG_NEWGEN: u8 = 15;
+pub const NFT_MSG_GETGEN: u8 = 16;
+/// NFTA_GEN_ID: the ruleset generation, bumped by every commit.
+pub const NFTA_GEN_ID: u16 = 1;
+/// A dump's objects changed while it ran (linux/netlink.h).
+pub const NLM_F_DUMP_INTR: u16 = 0x10;
 /// Linux >= 6.3: like DELTABLE, but no ENOENT when the table is absent.
 pub const NFT_MSG_DESTROYTABLE: u8 = 26;
 /// Linux >= 6.3: like DELSETELEM, but an element that is absent (expired meanwhile) is
@@ -222,6 +232,11 @@ pub const NFTNL_UDATA_SET_KEYBYTEORDER: u8 = 0;
 pub const NFTNL_UDATA_SET_DATABYTEORDER: u8 = 1;
 pub const NFTNL_UDATA_SET_COMMENT: u8 = 7;
 pub const NFTNL_UDATA_SET_ELEM_COMMENT: u8 = 0;
+/// splitproxy's own set userdata: what of the IR set the kernel does not keep (see
+/// `set::IrRecord`). A type far above libnftnl's, which `nft` skips as unknown.
+pub const SPLITPROXY_UDATA_SET_IR: u8 = 0xf0;
+/// NFT_USERDATA_MAXLEN: the kernel refuses longer userdata.
+pub const USERDATA_MAXLEN: usize = 256;
 /// nft's `enum byteorder`.
 pub const BYTEORDER_HOST_ENDIAN: u32 = 1;
 pub const BYTEORDER_BIG_ENDIAN: u32 = 2;

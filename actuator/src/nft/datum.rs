@@ -171,24 +171,77 @@ impl Fields {
         }
     }
 
-    /// Reads encoded bytes back into data (tests only: the inverse of [`Fields::encode`]).
-    #[cfg(test)]
-    pub(crate) fn decode(&self, mut bytes: &[u8]) -> Vec<Datum> {
-        let mut out = Vec::new();
+    /// The inverse of [`Fields::increment`]: the value before `bytes`; `false` at zero.
+    pub(crate) fn decrement(&self, bytes: &mut [u8]) -> bool {
+        match self.0.as_slice() {
+            [DataType::Integer | DataType::Mark] => {
+                let Ok(raw) = <[u8; 4]>::try_from(&*bytes) else {
+                    return false;
+                };
+                match u32::from_ne_bytes(raw).checked_sub(1) {
+                    Some(prev) => {
+                        bytes.copy_from_slice(&prev.to_ne_bytes());
+                        true
+                    }
+                    None => false,
+                }
+            }
+            _ => {
+                if bytes.iter().all(|b| *b == 0) {
+                    return false;
+                }
+                for b in bytes.iter_mut().rev() {
+                    let (v, borrow) = b.overflowing_sub(1);
+                    *b = v;
+                    if !borrow {
+                        break;
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    /// Reads encoded bytes back into data: the inverse of [`Fields::encode`]. `None` when
+    /// `bytes` is not exactly this layout's length.
+    pub(crate) fn decode(&self, bytes: &[u8]) -> Option<Vec<Datum>> {
+        if bytes.len() != self.byte_len() {
+            return None;
+        }
+        let mut rest = bytes;
+        let mut out = Vec::with_capacity(self.0.len());
         for t in &self.0 {
-            let n = field_len(*t).unwrap_or(0);
-            let f = &bytes[..n];
+            let f = rest.get(..field_len(*t)?)?;
             let value = match t {
                 DataType::Ipv4Addr => Value::Ipv4(f.to_vec()),
                 DataType::Ipv6Addr => Value::Ipv6(f.to_vec()),
-                DataType::InetProto => Value::Proto(u32::from(f[0])),
-                DataType::InetService => Value::Port(u32::from(u16::from_be_bytes([f[0], f[1]]))),
-                _ => Value::U32(u32::from_ne_bytes([f[0], f[1], f[2], f[3]])),
+                DataType::InetProto => Value::Proto(u32::from(*f.first()?)),
+                DataType::InetService => {
+                    Value::Port(u32::from(u16::from_be_bytes(f.try_into().ok()?)))
+                }
+                _ => Value::U32(u32::from_ne_bytes(f.try_into().ok()?)),
             };
             out.push(Datum { value: Some(value) });
-            bytes = &bytes[self.slot_len(*t)..];
+            rest = rest.get(self.slot_len(*t)..)?;
         }
-        out
+        Some(out)
+    }
+
+    /// `bytes` (one encoded key) as a big-endian number, so that byte order is numeric order:
+    /// for sorting the entries of a single-field interval set as the kernel dumped them.
+    pub(crate) fn order_key(&self, bytes: &[u8]) -> Vec<u8> {
+        match self.0.as_slice() {
+            [DataType::Integer | DataType::Mark] => match <[u8; 4]>::try_from(bytes) {
+                Ok(raw) => u32::from_ne_bytes(raw).to_be_bytes().to_vec(),
+                Err(_) => bytes.to_vec(),
+            },
+            _ => bytes.to_vec(),
+        }
+    }
+
+    /// The raw protobuf values of the fields (the inverse of [`Fields::new`]).
+    pub(crate) fn raw(&self) -> Vec<i32> {
+        self.0.iter().map(|t| *t as i32).collect()
     }
 }
 
@@ -266,7 +319,7 @@ pub(crate) mod tests {
         let mut want = vec![10, 0, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0];
         want.extend_from_slice(&3u32.to_ne_bytes());
         assert_eq!(out, want);
-        assert_eq!(f.decode(&out), key);
+        assert_eq!(f.decode(&out).unwrap(), key);
     }
 
     #[test]

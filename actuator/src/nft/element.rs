@@ -9,10 +9,10 @@ use splitproxy_proto::v1::Element;
 
 use super::check;
 use super::consts::*;
-use super::error::EncodeError;
-use super::expr::{put_value, verdict::put_verdict};
+use super::error::{DecodeError, EncodeError};
+use super::expr::{put_value, verdict::decode_verdict, verdict::put_verdict};
 use super::set::{SetData, SetLayout};
-use super::udata::Udata;
+use super::udata::{Udata, comment_of};
 use crate::netlink::attr::{Attr, Attrs, NlaBuf};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +121,150 @@ pub(crate) fn decode_raw(list: &Attr<'_>, out: &mut Vec<RawElement>) {
     }
 }
 
+/// One entry of an element dump, before interval ends are folded into their ranges.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    key: Vec<u8>,
+    /// An NFT_SET_ELEM_INTERVAL_END entry: the first value after a single-field range.
+    end: bool,
+    element: Element,
+}
+
+/// Decodes the entries of an NFTA_SET_ELEM_LIST_ELEMENTS attribute (one dump message) into
+/// `out`; [`decode`] turns all of a set's entries into IR elements.
+pub(crate) fn decode_entries(
+    layout: &SetLayout,
+    list: &Attr<'_>,
+    out: &mut Vec<Entry>,
+) -> Result<(), DecodeError> {
+    let err = |why: String| DecodeError::new("set element", format!("set {}: {why}", layout.name));
+    let value = |a: &Attrs<'_>, ty| -> Option<Vec<u8>> {
+        Some(a.find(ty)?.nested().find(NFTA_DATA_VALUE)?.value.to_vec())
+    };
+    for entry in list.nested() {
+        let a = entry.nested();
+        let key = value(&a, NFTA_SET_ELEM_KEY).ok_or_else(|| err("no key".to_owned()))?;
+        let flags = a
+            .find(NFTA_SET_ELEM_FLAGS)
+            .and_then(|f| f.u32_be())
+            .unwrap_or(0);
+        if flags & NFT_SET_ELEM_INTERVAL_END != 0 {
+            out.push(Entry {
+                key,
+                end: true,
+                element: Element::default(),
+            });
+            continue;
+        }
+        let decode_key = |bytes: &[u8]| {
+            layout
+                .key
+                .decode(bytes)
+                .ok_or_else(|| err("key of the wrong length".to_owned()))
+        };
+        let mut e = Element {
+            key: decode_key(&key)?,
+            ..Element::default()
+        };
+        if let Some(end) = value(&a, NFTA_SET_ELEM_KEY_END) {
+            e.key_end = decode_key(&end)?;
+        }
+        match &layout.data {
+            SetData::None => {}
+            SetData::Verdict => e.verdict = Some(decode_verdict(&a, NFTA_SET_ELEM_DATA)?),
+            SetData::Value(f) => {
+                let data =
+                    value(&a, NFTA_SET_ELEM_DATA).ok_or_else(|| err("no data".to_owned()))?;
+                e.data = f
+                    .decode(&data)
+                    .ok_or_else(|| err("data of the wrong length".to_owned()))?;
+            }
+        }
+        e.timeout_ms = match a.find(NFTA_SET_ELEM_TIMEOUT) {
+            None => 0,
+            Some(t) => u64::from_be_bytes(
+                t.value
+                    .try_into()
+                    .map_err(|_| err("timeout is not 8 bytes".to_owned()))?,
+            ),
+        };
+        e.comment = a
+            .find(NFTA_SET_ELEM_USERDATA)
+            .map(|u| comment_of(u.value, NFTNL_UDATA_SET_ELEM_COMMENT))
+            .unwrap_or_default();
+        out.push(Entry {
+            key,
+            end: false,
+            element: e,
+        });
+    }
+    Ok(())
+}
+
+/// Turns a set's dumped entries into IR elements. A single-field range is two entries, its
+/// start and (flagged) the first value after it, which the kernel lists in its own order: the
+/// entries are sorted by value, and each start takes the end that follows it (inclusive, like
+/// the IR), or runs to the largest value when a start or nothing follows. Concatenated ranges
+/// carry their end in the element itself.
+pub(crate) fn decode(
+    layout: &SetLayout,
+    mut entries: Vec<Entry>,
+    out: &mut Vec<Element>,
+) -> Result<(), DecodeError> {
+    if !layout.interval || layout.concat_interval() {
+        if entries.iter().any(|e| e.end) {
+            return Err(DecodeError::new(
+                "set element",
+                format!(
+                    "set {}: an interval end outside a single-field interval set",
+                    layout.name
+                ),
+            ));
+        }
+        out.extend(entries.into_iter().map(|e| e.element));
+        return Ok(());
+    }
+    // At equal values an end sorts before a start: adjacent ranges share that value.
+    entries.sort_by_cached_key(|e| (layout.key.order_key(&e.key), !e.end));
+    let mut open: Option<Element> = None;
+    for entry in entries {
+        if entry.end {
+            let Some(mut e) = open.take() else {
+                return Err(DecodeError::new(
+                    "set element",
+                    format!("set {}: an interval end without a start", layout.name),
+                ));
+            };
+            let mut end = entry.key;
+            // Undo the +1 of the exclusive end.
+            if !layout.key.decrement(&mut end) {
+                return Err(DecodeError::new(
+                    "set element",
+                    format!("set {}: an interval end at zero", layout.name),
+                ));
+            }
+            e.key_end = layout.key.decode(&end).unwrap_or_default();
+            out.push(e);
+        } else {
+            if let Some(mut e) = open.take() {
+                e.key_end = layout.key.decode(&max_of(layout)).unwrap_or_default();
+                out.push(e);
+            }
+            open = Some(entry.element);
+        }
+    }
+    if let Some(mut e) = open.take() {
+        e.key_end = layout.key.decode(&max_of(layout)).unwrap_or_default();
+        out.push(e);
+    }
+    Ok(())
+}
+
+/// The largest key of a single-field set: all ones, whatever the byte order.
+fn max_of(layout: &SetLayout) -> Vec<u8> {
+    vec![0xff; layout.key.byte_len()]
+}
+
 /// Data or verdict, timeout and comment of an added element.
 fn encode_payload(b: &mut NlaBuf, layout: &SetLayout, elem: &Element) -> Result<(), String> {
     match &layout.data {
@@ -168,63 +312,14 @@ fn encode_payload(b: &mut NlaBuf, layout: &SetLayout, elem: &Element) -> Result<
 pub(crate) mod tests {
     use super::*;
     use crate::nft::datum::tests::{int, ip4, port, proto};
-    use crate::nft::expr::verdict::decode_verdict;
-    use crate::nft::udata::comment_of;
     use splitproxy_proto::v1::{DataType, Set, Verdict, VerdictCode};
 
-    /// Rebuilds IR elements from the entries of an elements list, folding interval-end
-    /// entries into the preceding element's `key_end` (inclusive, like the IR).
+    /// [`super::decode`], for tests: panics on what it cannot read.
     pub(crate) fn decode(layout: &SetLayout, list: &Attr<'_>) -> Vec<Element> {
-        let value = |a: &Attrs<'_>, ty| -> Option<Vec<u8>> {
-            Some(a.find(ty)?.nested().find(NFTA_DATA_VALUE)?.value.to_vec())
-        };
-        let mut out: Vec<Element> = Vec::new();
-        for entry in list.nested() {
-            let a = entry.nested();
-            let key = value(&a, NFTA_SET_ELEM_KEY).unwrap();
-            let flags = a
-                .find(NFTA_SET_ELEM_FLAGS)
-                .and_then(|f| f.u32_be())
-                .unwrap_or(0);
-            if flags & NFT_SET_ELEM_INTERVAL_END != 0 {
-                let prev = out.last_mut().unwrap();
-                let mut end = key.clone();
-                // Undo the +1 of the exclusive end.
-                for byte in end.iter_mut().rev() {
-                    let (v, borrow) = byte.overflowing_sub(1);
-                    *byte = v;
-                    if !borrow {
-                        break;
-                    }
-                }
-                prev.key_end = layout.key.decode(&end);
-                continue;
-            }
-            let mut e = Element {
-                key: layout.key.decode(&key),
-                ..Element::default()
-            };
-            if let Some(end) = value(&a, NFTA_SET_ELEM_KEY_END) {
-                e.key_end = layout.key.decode(&end);
-            } else if layout.interval {
-                // Until an end entry says otherwise: a range to the maximum value.
-                e.key_end = layout.key.decode(&vec![0xff; key.len()]);
-            }
-            match &layout.data {
-                SetData::None => {}
-                SetData::Verdict => e.verdict = Some(decode_verdict(&a, NFTA_SET_ELEM_DATA)),
-                SetData::Value(f) => e.data = f.decode(&value(&a, NFTA_SET_ELEM_DATA).unwrap()),
-            }
-            e.timeout_ms = a
-                .find(NFTA_SET_ELEM_TIMEOUT)
-                .map(|t| u64::from_be_bytes(t.value.try_into().unwrap()))
-                .unwrap_or(0);
-            e.comment = a
-                .find(NFTA_SET_ELEM_USERDATA)
-                .map(|u| comment_of(u.value, NFTNL_UDATA_SET_ELEM_COMMENT))
-                .unwrap_or_default();
-            out.push(e);
-        }
+        let mut out = Vec::new();
+        let mut entries = Vec::new();
+        super::decode_entries(layout, list, &mut entries).unwrap();
+        super::decode(layout, entries, &mut out).unwrap();
         out
     }
 

@@ -44,6 +44,25 @@ pub enum EncodeError {
     TooLarge { what: String },
 }
 
+/// What the kernel returned cannot be read back as IR: an attribute missing, of the wrong
+/// size, or a value no IR object produces. The reader (read.rs) then treats the table as
+/// drifted and replaces it; it never guesses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("decoding {what}: {why}")]
+pub struct DecodeError {
+    pub what: &'static str,
+    pub why: String,
+}
+
+impl DecodeError {
+    pub(crate) fn new(what: &'static str, why: impl Into<String>) -> Self {
+        Self {
+            what,
+            why: why.into(),
+        }
+    }
+}
+
 impl EncodeError {
     pub(crate) fn set(set: &str, why: impl Into<String>) -> Self {
         Self::Set {

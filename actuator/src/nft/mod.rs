@@ -10,7 +10,7 @@
 //!
 //! Layout: one module per expression under `expr/`, one per object (`table`, `chain`, `rule`,
 //! `set`, `element`), the key/data layout in `datum`, the transaction in `batch`, the socket
-//! in `socket`.
+//! in `socket`; `read` reads the owned tables back into a model with the encoders' inverses.
 
 mod batch;
 mod chain;
@@ -20,6 +20,7 @@ mod datum;
 mod element;
 mod error;
 mod expr;
+mod read;
 mod rule;
 mod set;
 mod socket;
@@ -31,6 +32,7 @@ pub(crate) mod tests;
 
 pub use batch::Batch;
 pub use element::RawElement;
-pub use error::{CommitError, EncodeError, MessageFailure};
+pub use error::{CommitError, DecodeError, EncodeError, MessageFailure};
+pub use read::{ReadError, ReadTables, comparable, packet_path_owned};
 pub use set::DataMapLayout;
 pub use socket::NftSocket;

@@ -5,10 +5,10 @@ use splitproxy_proto::v1::Rule;
 
 use super::check;
 use super::consts::*;
-use super::error::EncodeError;
+use super::error::{DecodeError, EncodeError};
 use super::expr::{self, Ctx};
-use super::udata::Udata;
-use crate::netlink::attr::NlaBuf;
+use super::udata::{Udata, comment_of};
+use crate::netlink::attr::{Attrs, NlaBuf};
 
 pub(crate) fn encode_add(
     b: &mut NlaBuf,
@@ -38,34 +38,41 @@ pub(crate) fn encode_add(
     Ok(())
 }
 
+/// (table, chain, rule) of a rule message's attributes (NFT_MSG_NEWRULE, as a dump returns
+/// it: the handle and position it also carries are not IR).
+pub(crate) fn decode(attrs: &Attrs<'_>) -> Result<(String, String, Rule), DecodeError> {
+    let s = |ty| {
+        attrs
+            .find(ty)
+            .and_then(|a| a.str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let exprs = match attrs.find(NFTA_RULE_EXPRESSIONS) {
+        Some(l) => l
+            .nested()
+            .map(|e| expr::decode(&e))
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let comment = attrs
+        .find(NFTA_RULE_USERDATA)
+        .map(|a| comment_of(a.value, NFTNL_UDATA_RULE_COMMENT))
+        .unwrap_or_default();
+    Ok((
+        s(NFTA_RULE_TABLE),
+        s(NFTA_RULE_CHAIN),
+        Rule { exprs, comment },
+    ))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::netlink::attr::Attrs;
-    use crate::nft::udata::comment_of;
 
-    /// (table, chain, rule) of a rule message's attributes.
+    /// [`super::decode`], for tests.
     pub(crate) fn decode(attrs: &Attrs<'_>) -> (String, String, Rule) {
-        let s = |ty| {
-            attrs
-                .find(ty)
-                .and_then(|a| a.str())
-                .unwrap_or_default()
-                .to_owned()
-        };
-        let exprs = attrs
-            .find(NFTA_RULE_EXPRESSIONS)
-            .map(|l| l.nested().map(|e| expr::decode(&e)).collect())
-            .unwrap_or_default();
-        let comment = attrs
-            .find(NFTA_RULE_USERDATA)
-            .map(|a| comment_of(a.value, NFTNL_UDATA_RULE_COMMENT))
-            .unwrap_or_default();
-        (
-            s(NFTA_RULE_TABLE),
-            s(NFTA_RULE_CHAIN),
-            Rule { exprs, comment },
-        )
+        super::decode(attrs).unwrap()
     }
 
     #[test]

@@ -10,9 +10,9 @@ use splitproxy_proto::v1::{DataType, Set};
 use super::check;
 use super::consts::*;
 use super::datum::Fields;
-use super::error::EncodeError;
-use super::udata::Udata;
-use crate::netlink::attr::NlaBuf;
+use super::error::{DecodeError, EncodeError};
+use super::udata::{Udata, comment_of, parse};
+use crate::netlink::attr::{Attrs, NlaBuf};
 
 /// What a set's elements carry besides their key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +32,11 @@ pub(crate) struct SetLayout {
     pub timeout: bool,
     pub default_timeout_ms: u64,
     pub dynamic: bool,
+    /// The IR's own `timeout` flag (the kernel's flag is also set by a default timeout).
+    pub ir_timeout: bool,
+    /// Userspace roles (see [`IrRecord`]).
+    pub conntrack: i32,
+    pub guards: String,
 }
 
 impl SetLayout {
@@ -52,6 +57,9 @@ impl SetLayout {
             timeout: set.timeout || set.default_timeout_ms > 0,
             default_timeout_ms: set.default_timeout_ms,
             dynamic: set.dynamic,
+            ir_timeout: set.timeout,
+            conntrack: set.conntrack,
+            guards: set.guards.clone(),
         })
     }
 
@@ -206,8 +214,150 @@ pub(crate) fn encode_add(
     if !comment.is_empty() {
         udata.put_strz(NFTNL_UDATA_SET_COMMENT, comment);
     }
+    udata.put(SPLITPROXY_UDATA_SET_IR, &IrRecord::of(layout).encode());
+    if udata.bytes().len() > USERDATA_MAXLEN {
+        return Err(EncodeError::set(
+            &layout.name,
+            format!(
+                "comment and guarded map name longer than the kernel's {USERDATA_MAXLEN} bytes of userdata"
+            ),
+        ));
+    }
     b.put(NFTA_SET_USERDATA, udata.bytes());
     Ok(())
+}
+
+/// What of an IR set the kernel's set does not say, kept in the set's userdata so that a set
+/// read back from the kernel (read.rs) is exactly the IR set the brain sent ("kernel is the
+/// truth", docs/invariants.md): the field types as the IR names them (the kernel's type id
+/// announces an integer inside a concatenation as a mark), the IR's timeout flag, and the
+/// userspace roles (conntrack role, guarded map), which steer the actuator's clean-ups after a
+/// restart too.
+///
+/// Layout: version (1), flags (bit 0: timeout), conntrack role (i32, little-endian), key field
+/// count and types (one byte each), data field count and types, then the guarded map's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IrRecord {
+    pub key: Vec<i32>,
+    pub data: Vec<i32>,
+    pub timeout: bool,
+    pub conntrack: i32,
+    pub guards: String,
+}
+
+impl IrRecord {
+    const VERSION: u8 = 1;
+
+    pub(crate) fn of(layout: &SetLayout) -> Self {
+        IrRecord {
+            key: layout.key.raw(),
+            data: match &layout.data {
+                SetData::None => vec![],
+                SetData::Verdict => vec![DataType::Verdict as i32],
+                SetData::Value(f) => f.raw(),
+            },
+            timeout: layout.ir_timeout,
+            conntrack: layout.conntrack,
+            guards: layout.guards.clone(),
+        }
+    }
+
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = vec![Self::VERSION, u8::from(self.timeout)];
+        out.extend_from_slice(&self.conntrack.to_le_bytes());
+        for types in [&self.key, &self.data] {
+            out.push(types.len() as u8);
+            // Data types are below 64 (nft packs them in 6 bits).
+            out.extend(types.iter().map(|t| *t as u8));
+        }
+        out.extend_from_slice(self.guards.as_bytes());
+        out
+    }
+
+    pub(crate) fn decode(raw: &[u8]) -> Option<Self> {
+        let [version, flags, c0, c1, c2, c3, rest @ ..] = raw else {
+            return None;
+        };
+        if *version != Self::VERSION {
+            return None;
+        }
+        let (&nkey, rest) = rest.split_first()?;
+        let (key, rest) = rest.split_at_checked(usize::from(nkey))?;
+        let (&ndata, rest) = rest.split_first()?;
+        let (data, guards) = rest.split_at_checked(usize::from(ndata))?;
+        Some(IrRecord {
+            key: key.iter().map(|t| i32::from(*t)).collect(),
+            data: data.iter().map(|t| i32::from(*t)).collect(),
+            timeout: flags & 1 != 0,
+            conntrack: i32::from_le_bytes([*c0, *c1, *c2, *c3]),
+            guards: String::from_utf8(guards.to_vec()).ok()?,
+        })
+    }
+}
+
+/// (table, set definition) of a set message's attributes (NFT_MSG_NEWSET, as a dump returns
+/// it), elements aside. The IR comes from splitproxy's userdata record; what the kernel says
+/// (type ids, lengths, flags, default timeout) must agree with it, or the set is not one this
+/// actuator made and the result is an error.
+pub(crate) fn decode(attrs: &Attrs<'_>) -> Result<(String, Set), DecodeError> {
+    let s = |ty| {
+        attrs
+            .find(ty)
+            .and_then(|a| a.str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let name = s(NFTA_SET_NAME);
+    let err = |why: String| DecodeError::new("set", format!("{name}: {why}"));
+    let u32_of = |ty| attrs.find(ty).and_then(|a| a.u32_be());
+    let udata = attrs
+        .find(NFTA_SET_USERDATA)
+        .map(|a| a.value)
+        .unwrap_or_default();
+    let record = parse(udata)
+        .into_iter()
+        .find(|(t, _)| *t == SPLITPROXY_UDATA_SET_IR)
+        .and_then(|(_, v)| IrRecord::decode(v))
+        .ok_or_else(|| err("no splitproxy userdata: not a set this actuator made".to_owned()))?;
+    let default_timeout_ms = match attrs.find(NFTA_SET_TIMEOUT) {
+        None => 0,
+        Some(a) => u64::from_be_bytes(
+            a.value
+                .try_into()
+                .map_err(|_| err("timeout is not 8 bytes".to_owned()))?,
+        ),
+    };
+    let flags = u32_of(NFTA_SET_FLAGS).unwrap_or(0);
+    let set = Set {
+        name: name.clone(),
+        key: record.key,
+        data: record.data,
+        interval: flags & NFT_SET_INTERVAL != 0,
+        timeout: record.timeout,
+        default_timeout_ms,
+        dynamic: flags & NFT_SET_EVAL != 0,
+        comment: comment_of(udata, NFTNL_UDATA_SET_COMMENT),
+        elements: vec![],
+        conntrack: record.conntrack,
+        guards: record.guards,
+    };
+    let layout = SetLayout::new(&set).map_err(|e| err(e.to_string()))?;
+    let (data_type, data_len) = match &layout.data {
+        SetData::None => (None, None),
+        SetData::Verdict => (Some(NFT_DATA_VERDICT), u32_of(NFTA_SET_DATA_LEN)),
+        SetData::Value(f) => (Some(f.type_id()), Some(f.byte_len() as u32)),
+    };
+    let agrees = layout.flags() == flags
+        && u32_of(NFTA_SET_KEY_TYPE) == Some(layout.key.type_id())
+        && u32_of(NFTA_SET_KEY_LEN) == Some(layout.key.byte_len() as u32)
+        && u32_of(NFTA_SET_DATA_TYPE) == data_type
+        && u32_of(NFTA_SET_DATA_LEN) == data_len;
+    if !agrees {
+        return Err(err(
+            "the kernel's set differs from its userdata record".to_owned()
+        ));
+    }
+    Ok((s(NFTA_SET_TABLE), set))
 }
 
 /// Attributes of a set deletion.
@@ -222,89 +372,10 @@ pub(crate) fn encode_del(b: &mut NlaBuf, table: &str, set: &str) -> Result<(), E
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::netlink::attr::Attrs;
-    use crate::nft::udata::{comment_of, parse};
 
-    /// Rebuilds the IR set definition from a NEWSET message's attributes (elements aside).
-    /// Field types come from the folded type id; the lengths are checked against it.
+    /// [`super::decode`], for tests.
     pub(crate) fn decode(attrs: &Attrs<'_>) -> (String, Set) {
-        let s = |ty| {
-            attrs
-                .find(ty)
-                .and_then(|a| a.str())
-                .unwrap_or_default()
-                .to_owned()
-        };
-        let u32_of = |ty| attrs.find(ty).and_then(|a| a.u32_be());
-        let flags = u32_of(NFTA_SET_FLAGS).unwrap();
-        let unfold = |mut id: u32| {
-            let mut v = vec![];
-            while id != 0 {
-                v.insert(0, (id & ((1 << TYPE_BITS) - 1)) as i32);
-                id >>= TYPE_BITS;
-            }
-            v
-        };
-        let mut key = unfold(u32_of(NFTA_SET_KEY_TYPE).unwrap());
-        if key.len() > 1 {
-            // Integers are announced as marks inside concatenations (datum.rs); the fixtures
-            // hold no mark in a concatenated key, so read them back as integers.
-            for t in &mut key {
-                if *t == DataType::Mark as i32 {
-                    *t = DataType::Integer as i32;
-                }
-            }
-        }
-        let key_fields = Fields::new(&key).unwrap();
-        assert_eq!(u32_of(NFTA_SET_KEY_LEN), Some(key_fields.byte_len() as u32));
-        if key_fields.is_concat() {
-            let desc = attrs.find(NFTA_SET_DESC).unwrap().nested();
-            let lens: Vec<u32> = desc
-                .find(NFTA_SET_DESC_CONCAT)
-                .unwrap()
-                .nested()
-                .map(|f| {
-                    f.nested()
-                        .find(NFTA_SET_FIELD_LEN)
-                        .unwrap()
-                        .u32_be()
-                        .unwrap()
-                })
-                .collect();
-            assert_eq!(lens, key_fields.field_lens().collect::<Vec<_>>());
-        }
-        let data = match u32_of(NFTA_SET_DATA_TYPE) {
-            None => vec![],
-            Some(NFT_DATA_VERDICT) => vec![DataType::Verdict as i32],
-            Some(id) => {
-                let d = unfold(id);
-                let len = Fields::new(&d).unwrap().byte_len() as u32;
-                assert_eq!(u32_of(NFTA_SET_DATA_LEN), Some(len));
-                d
-            }
-        };
-        assert_eq!(flags & NFT_SET_MAP != 0, !data.is_empty());
-        let udata = attrs.find(NFTA_SET_USERDATA).unwrap().value;
-        assert_eq!(parse(udata)[0].0, NFTNL_UDATA_SET_KEYBYTEORDER);
-        let default_timeout_ms = attrs
-            .find(NFTA_SET_TIMEOUT)
-            .map(|a| u64::from_be_bytes(a.value.try_into().unwrap()))
-            .unwrap_or(0);
-        let set = Set {
-            name: s(NFTA_SET_NAME),
-            key,
-            data,
-            interval: flags & NFT_SET_INTERVAL != 0,
-            timeout: flags & NFT_SET_TIMEOUT != 0,
-            default_timeout_ms,
-            dynamic: flags & NFT_SET_EVAL != 0,
-            comment: comment_of(udata, NFTNL_UDATA_SET_COMMENT),
-            elements: vec![],
-            // Userspace only: never on the wire.
-            conntrack: 0,
-            guards: String::new(),
-        };
-        (s(NFTA_SET_TABLE), set)
+        super::decode(attrs).unwrap()
     }
 
     fn round_trip(set: &Set) -> Set {
@@ -361,7 +432,7 @@ pub(crate) mod tests {
     /// to delete; the kernel sees neither: a set and its elements encode to the same bytes
     /// whatever their values.
     #[test]
-    fn conntrack_role_is_not_sent_to_the_kernel() {
+    fn userspace_roles_travel_only_in_the_sets_userdata() {
         use splitproxy_proto::v1::ConntrackRole;
         for set in crate::nft::tests::fixture::sets() {
             let encode = |s: &Set| {
@@ -373,22 +444,59 @@ pub(crate) mod tests {
                     .add_elements(splitproxy_proto::v1::Family::Ip, "t", s, &s.elements)
                     .unwrap();
                 let elements: Vec<Vec<u8>> = batch.messages().map(<[u8]>::to_vec).collect();
-                (b.bytes().to_vec(), elements)
+                let set = Attrs::new(b.bytes());
+                let without_udata: Vec<(u16, Vec<u8>)> = set
+                    .filter(|a| a.ty != NFTA_SET_USERDATA)
+                    .map(|a| (a.ty, a.value.to_vec()))
+                    .collect();
+                (without_udata, elements, decode(&Attrs::new(b.bytes())).1)
             };
+            let plain = encode(&set);
             for role in [ConntrackRole::Endpoints, ConntrackRole::NoEndpoints] {
                 let with_role = Set {
                     conntrack: role as i32,
                     ..set.clone()
                 };
-                assert_eq!(encode(&with_role), encode(&set), "set {}", set.name);
+                let got = encode(&with_role);
+                assert_eq!((&got.0, &got.1), (&plain.0, &plain.1), "set {}", set.name);
+                assert_eq!(got.2.conntrack, role as i32);
             }
-            // Nor is the map a set guards.
             let guarding = Set {
                 guards: "affinity".to_owned(),
                 ..set.clone()
             };
-            assert_eq!(encode(&guarding), encode(&set), "set {}", set.name);
+            let got = encode(&guarding);
+            assert_eq!((&got.0, &got.1), (&plain.0, &plain.1), "set {}", set.name);
+            assert_eq!(got.2.guards, "affinity");
         }
+    }
+
+    #[test]
+    fn an_integer_in_a_concatenation_reads_back_as_an_integer() {
+        use DataType::*;
+        for key in [[Ipv4Addr, Integer], [Ipv4Addr, Mark]] {
+            let s = Set {
+                name: "m".to_owned(),
+                key: key.iter().map(|t| *t as i32).collect(),
+                ..Set::default()
+            };
+            assert_eq!(round_trip(&s), s);
+        }
+    }
+
+    #[test]
+    fn userdata_longer_than_the_kernel_takes_is_refused() {
+        let s = Set {
+            name: "s".to_owned(),
+            key: vec![DataType::Ipv4Addr as i32],
+            comment: "c".repeat(120),
+            guards: "g".repeat(200),
+            ..Set::default()
+        };
+        let layout = SetLayout::new(&s).unwrap();
+        assert!(encode_add(&mut NlaBuf::new(), "t", &layout, &s.comment, 1).is_err());
+        assert_eq!(IrRecord::decode(&[9, 0, 0, 0, 0, 0, 0, 0]), None);
+        assert_eq!(IrRecord::decode(&[1, 0, 0, 0, 0, 0, 5, 7]), None);
     }
 
     #[test]

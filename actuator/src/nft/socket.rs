@@ -125,14 +125,36 @@ impl NftSocket {
         let nfproto = check::family(family).map_err(invalid)?;
         check::name("table", table).map_err(invalid)?;
         check::name("set", set).map_err(invalid)?;
-        let seq = self.seq;
-        self.seq = seq.wrapping_add(1);
         let mut attrs = NlaBuf::new();
         attrs.put_strz(NFTA_SET_ELEM_LIST_TABLE, table);
         attrs.put_strz(NFTA_SET_ELEM_LIST_SET, set);
+        let mut out = Vec::new();
+        self.dump(NFT_MSG_GETSETELEM, nfproto, &attrs, |attrs| {
+            if let Some(list) = Attrs::new(attrs).find(NFTA_SET_ELEM_LIST_ELEMENTS) {
+                element::decode_raw(&list, &mut out);
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Runs one dump (`get`: NFT_MSG_GET*, with NLM_F_DUMP) in family `nfproto` filtered by
+    /// `attrs`, calling `each` with the attributes of every object message of the reply. An
+    /// error the kernel answers instead (ENOENT for a missing table or set) is returned as
+    /// such; a dump the kernel marks interrupted (NLM_F_DUMP_INTR: a commit happened while it
+    /// ran) is an `Interrupted` error, for the caller to retry.
+    pub(crate) fn dump(
+        &mut self,
+        get: u8,
+        nfproto: u8,
+        attrs: &NlaBuf,
+        mut each: impl FnMut(&[u8]) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let seq = self.seq;
+        self.seq = seq.wrapping_add(1);
         self.out.clear();
         self.out.extend_from_slice(&nfnl_header(
-            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_GETSETELEM),
+            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(get),
             NLM_F_REQUEST | NLM_F_DUMP,
             seq,
             nfproto,
@@ -148,13 +170,82 @@ impl NftSocket {
                 self.out.len()
             )));
         }
-        let mut out = Vec::new();
+        let mut interrupted = false;
         // The kernel fills one datagram per read (at most 32 KiB), until NLMSG_DONE.
         loop {
             self.rx.clear();
             let n = self.sock.recv(&mut self.rx, 0)?.min(self.rx.len());
-            if parse_dump(&self.rx[..n], seq, &mut out)? {
-                return Ok(out);
+            for msg in Messages::new(&self.rx[..n]) {
+                let msg = msg?;
+                if msg.seq != seq {
+                    continue; // not ours: left over from an earlier request
+                }
+                // NLMSG_DONE carries the dump's result, NLMSG_ERROR a refusal of the request.
+                match msg.done().or_else(|| msg.ack().map(|a| a.errno)) {
+                    Some(0) if interrupted => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::Interrupted,
+                            "the ruleset changed during the dump",
+                        ));
+                    }
+                    Some(0) => return Ok(()),
+                    Some(errno) => return Err(io::Error::from_raw_os_error(errno)),
+                    None => {
+                        interrupted |= msg.flags & NLM_F_DUMP_INTR != 0;
+                        each(msg.nfnl_attrs().unwrap_or_default())?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The nf_tables generation of this network namespace (NFT_MSG_GETGEN): a number the
+    /// kernel bumps with every committed transaction, whoever sent it. Equal numbers mean
+    /// nothing was committed in between.
+    pub fn generation(&mut self) -> io::Result<u32> {
+        let mut id = None;
+        self.get(NFT_MSG_GETGEN, |attrs| {
+            id = Attrs::new(attrs).find(NFTA_GEN_ID).and_then(|a| a.u32_be());
+        })?;
+        id.ok_or_else(|| io::Error::other("NFT_MSG_NEWGEN without NFTA_GEN_ID"))
+    }
+
+    /// One request that is not a dump, answered with one message (`each` sees its
+    /// attributes) and an acknowledgement.
+    fn get(&mut self, get: u8, mut each: impl FnMut(&[u8])) -> io::Result<()> {
+        let seq = self.seq;
+        self.seq = seq.wrapping_add(1);
+        self.out.clear();
+        self.out.extend_from_slice(&nfnl_header(
+            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(get),
+            NLM_F_REQUEST | NLM_F_ACK,
+            seq,
+            AF_UNSPEC,
+            0,
+            HEADER_LEN,
+        ));
+        self.drain_stale();
+        self.sock.send(&self.out, 0)?;
+        let mut answered = false;
+        loop {
+            self.rx.clear();
+            let n = self.sock.recv(&mut self.rx, 0)?.min(self.rx.len());
+            for msg in Messages::new(&self.rx[..n]) {
+                let msg = msg?;
+                if msg.seq != seq {
+                    continue;
+                }
+                match msg.ack() {
+                    Some(a) if a.errno != 0 => return Err(io::Error::from_raw_os_error(a.errno)),
+                    Some(_) if answered => return Ok(()),
+                    Some(_) => {
+                        return Err(io::Error::other("acknowledged without an answer"));
+                    }
+                    None => {
+                        answered = true;
+                        each(msg.nfnl_attrs().unwrap_or_default());
+                    }
+                }
             }
         }
     }
@@ -288,32 +379,6 @@ fn frame(out: &mut Vec<u8>, batch: &Batch, base: u32) {
     out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
 }
 
-/// Reads one datagram of a set element dump (request `seq`), appending its elements to `out`.
-/// True once the dump is done; an error the kernel reports instead of elements is returned.
-fn parse_dump(buf: &[u8], seq: u32, out: &mut Vec<RawElement>) -> io::Result<bool> {
-    let newsetelem = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_NEWSETELEM);
-    for msg in Messages::new(buf) {
-        let msg = msg?;
-        if msg.seq != seq {
-            continue; // not ours: left over from an earlier request
-        }
-        // NLMSG_DONE carries the dump's result, NLMSG_ERROR a refusal of the request.
-        let status = msg.done().or_else(|| msg.ack().map(|a| a.errno));
-        match status {
-            Some(0) => return Ok(true),
-            Some(errno) => return Err(io::Error::from_raw_os_error(errno)),
-            None if msg.ty == newsetelem => {
-                let attrs = Attrs::new(msg.nfnl_attrs().unwrap_or_default());
-                if let Some(list) = attrs.find(NFTA_SET_ELEM_LIST_ELEMENTS) {
-                    element::decode_raw(&list, out);
-                }
-            }
-            None => {}
-        }
-    }
-    Ok(false)
-}
-
 /// NFNL_MSG_BATCH_BEGIN or _END for the nf_tables subsystem.
 fn batch_marker(ty: u16, seq: u32) -> [u8; HEADER_LEN] {
     nfnl_header(
@@ -339,7 +404,7 @@ fn parse_acks(buf: &[u8]) -> Vec<Ack> {
 mod tests {
     use super::*;
 
-    use crate::netlink::message::fixtures::{done, error};
+    use crate::netlink::message::fixtures::error;
 
     /// A message of type `ty` of a dump, with `body`.
     fn message(ty: u16, seq: u32, body: &[u8]) -> Vec<u8> {
@@ -366,31 +431,6 @@ mod tests {
         b.end_nest(list);
         let ty = (NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_NEWSETELEM);
         message(ty, seq, b.bytes())
-    }
-
-    #[test]
-    fn parses_element_dumps_until_done() {
-        let mut out = Vec::new();
-        let mut dgram = elements_message(5, &[[1, 1, 1, 1], [2, 2, 2, 2]]);
-        // An earlier request's reply is skipped.
-        dgram.extend(elements_message(4, &[[6, 6, 6, 6]]));
-        assert!(!parse_dump(&dgram, 5, &mut out).unwrap());
-        let mut last = elements_message(5, &[[3, 3, 3, 3]]);
-        last.extend(done(5, 0));
-        assert!(parse_dump(&last, 5, &mut out).unwrap());
-        let keys: Vec<Vec<u8>> = out.iter().map(|e| e.key.clone()).collect();
-        assert_eq!(keys, vec![vec![1; 4], vec![2; 4], vec![3; 4]]);
-        assert!(out.iter().all(|e| e.data == [9; 4]));
-
-        // The set does not exist: the kernel answers with an error.
-        let err = parse_dump(&error(6, -2, &[]), 6, &mut out).unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(2));
-        let err = parse_dump(&done(6, -4), 6, &mut out).unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(4));
-        // Cut short.
-        let whole = elements_message(7, &[[1; 4]]);
-        assert!(parse_dump(&whole[..10], 7, &mut out).is_err());
-        assert!(parse_dump(&whole[..20], 7, &mut out).is_err());
     }
 
     #[test]

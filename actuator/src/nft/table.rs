@@ -3,9 +3,9 @@
 
 use super::check;
 use super::consts::*;
-use super::error::EncodeError;
-use super::udata::Udata;
-use crate::netlink::attr::NlaBuf;
+use super::error::{DecodeError, EncodeError};
+use super::udata::{Udata, comment_of};
+use crate::netlink::attr::{Attrs, NlaBuf};
 
 /// Attributes of a table creation: its name and its comment (libnftnl userdata).
 pub(crate) fn encode_add(b: &mut NlaBuf, name: &str, comment: &str) -> Result<(), EncodeError> {
@@ -27,24 +27,27 @@ pub(crate) fn encode_del(b: &mut NlaBuf, name: &str) -> Result<(), EncodeError> 
     Ok(())
 }
 
+/// (name, comment) of a table message's attributes (NFT_MSG_NEWTABLE, as a dump returns it).
+pub(crate) fn decode(attrs: &Attrs<'_>) -> Result<(String, String), DecodeError> {
+    let name = attrs
+        .find(NFTA_TABLE_NAME)
+        .and_then(|a| a.str())
+        .ok_or_else(|| DecodeError::new("table", "no name"))?
+        .to_owned();
+    let comment = attrs
+        .find(NFTA_TABLE_USERDATA)
+        .map(|a| comment_of(a.value, NFTNL_UDATA_TABLE_COMMENT))
+        .unwrap_or_default();
+    Ok((name, comment))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::netlink::attr::Attrs;
-    use crate::nft::udata::comment_of;
 
-    /// (name, comment) of a table message's attributes.
+    /// [`super::decode`], for tests.
     pub(crate) fn decode(attrs: &Attrs<'_>) -> (String, String) {
-        let name = attrs
-            .find(NFTA_TABLE_NAME)
-            .and_then(|a| a.str())
-            .unwrap()
-            .to_owned();
-        let comment = attrs
-            .find(NFTA_TABLE_USERDATA)
-            .map(|a| comment_of(a.value, NFTNL_UDATA_TABLE_COMMENT))
-            .unwrap_or_default();
-        (name, comment)
+        super::decode(attrs).unwrap()
     }
 
     #[test]

@@ -18,6 +18,14 @@ impl Udata {
         self
     }
 
+    /// Raw bytes (at most 255).
+    pub(crate) fn put(&mut self, ty: u8, v: &[u8]) -> &mut Self {
+        let len = u8::try_from(v.len()).unwrap_or(u8::MAX);
+        self.0.extend_from_slice(&[ty, len]);
+        self.0.extend_from_slice(&v[..usize::from(len)]);
+        self
+    }
+
     /// A NUL-terminated string; callers keep it under 255 bytes (see `check::comment`).
     pub(crate) fn put_strz(&mut self, ty: u8, s: &str) -> &mut Self {
         let len = u8::try_from(s.len() + 1).unwrap_or(u8::MAX);
@@ -46,8 +54,7 @@ impl Udata {
     }
 }
 
-/// Reads a userdata blob back as (type, value) pairs.
-#[cfg(test)]
+/// Reads a userdata blob back as (type, value) pairs; a truncated TLV ends the list.
 pub(crate) fn parse(mut raw: &[u8]) -> Vec<(u8, &[u8])> {
     let mut out = Vec::new();
     while let [ty, len, rest @ ..] = raw {
@@ -60,7 +67,6 @@ pub(crate) fn parse(mut raw: &[u8]) -> Vec<(u8, &[u8])> {
 }
 
 /// The comment stored under `ty`, if any.
-#[cfg(test)]
 pub(crate) fn comment_of(raw: &[u8], ty: u8) -> String {
     parse(raw)
         .into_iter()

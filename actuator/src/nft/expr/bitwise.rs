@@ -33,19 +33,23 @@ pub(super) fn encode(e: &Bitwise, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
-pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Bitwise {
-    use super::tests::{reg_of, u32_of, value};
-    assert_eq!(
-        u32_of(a, NFTA_BITWISE_LEN) as usize,
-        value(a, NFTA_BITWISE_MASK).len()
-    );
-    Bitwise {
+pub(super) fn decode(
+    a: &crate::netlink::attr::Attrs<'_>,
+) -> Result<Bitwise, crate::nft::DecodeError> {
+    use super::decode::{reg_of, u32_of, value};
+    let mask = value(a, NFTA_BITWISE_MASK);
+    if u32_of(a, NFTA_BITWISE_LEN) as usize != mask.len() {
+        return Err(crate::nft::DecodeError::new(
+            "bitwise",
+            "length differs from the mask's",
+        ));
+    }
+    Ok(Bitwise {
         sreg: reg_of(a, NFTA_BITWISE_SREG),
         dreg: reg_of(a, NFTA_BITWISE_DREG),
-        mask: value(a, NFTA_BITWISE_MASK),
+        mask,
         xor: value(a, NFTA_BITWISE_XOR),
-    }
+    })
 }
 
 #[cfg(test)]

@@ -18,9 +18,8 @@ pub(super) fn encode(e: &Cmp, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Cmp {
-    use super::tests::{reg_of, u32_of, value};
+    use super::decode::{reg_of, u32_of, value};
     Cmp {
         op: u32_of(a, NFTA_CMP_OP) as i32,
         sreg: reg_of(a, NFTA_CMP_SREG),

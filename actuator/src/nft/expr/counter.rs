@@ -9,7 +9,6 @@ pub(super) fn encode(_: &Counter, _: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(_: &crate::netlink::attr::Attrs<'_>) -> Counter {
     Counter {}
 }

@@ -30,11 +30,20 @@ pub(super) fn encode(e: &Dynset, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
-pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Dynset {
-    use super::tests::{reg_of, u32_of};
+pub(super) fn decode(
+    a: &crate::netlink::attr::Attrs<'_>,
+) -> Result<Dynset, crate::nft::DecodeError> {
+    use super::decode::{reg_of, u32_of};
     let has_data = a.find(NFTA_DYNSET_SREG_DATA).is_some();
-    Dynset {
+    let timeout_ms = match a.find(NFTA_DYNSET_TIMEOUT) {
+        None => 0,
+        Some(x) => u64::from_be_bytes(
+            x.value
+                .try_into()
+                .map_err(|_| crate::nft::DecodeError::new("dynset", "timeout is not 8 bytes"))?,
+        ),
+    };
+    Ok(Dynset {
         set: a
             .find(NFTA_DYNSET_SET_NAME)
             .and_then(|x| x.str())
@@ -48,11 +57,8 @@ pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Dynset {
         } else {
             0
         },
-        timeout_ms: a
-            .find(NFTA_DYNSET_TIMEOUT)
-            .map(|x| u64::from_be_bytes(x.value.try_into().unwrap()))
-            .unwrap_or(0),
-    }
+        timeout_ms,
+    })
 }
 
 #[cfg(test)]

@@ -32,9 +32,8 @@ pub(super) fn encode(e: &Fib, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Fib {
-    use super::tests::{reg_of, u32_of};
+    use super::decode::{reg_of, u32_of};
     Fib {
         flags: u32_of(a, NFTA_FIB_FLAGS),
         result: u32_of(a, NFTA_FIB_RESULT) as i32,

@@ -16,9 +16,8 @@ pub(super) fn encode(e: &Immediate, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Immediate {
-    use super::tests::{reg_of, value};
+    use super::decode::{reg_of, value};
     Immediate {
         dreg: reg_of(a, NFTA_IMMEDIATE_DREG),
         data: value(a, NFTA_IMMEDIATE_DATA),

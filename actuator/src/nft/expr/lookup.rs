@@ -37,9 +37,8 @@ pub(super) fn encode(e: &Lookup, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Lookup {
-    use super::tests::{reg_of, u32_of};
+    use super::decode::{reg_of, u32_of};
     let dreg = a.find(NFTA_LOOKUP_DREG).and_then(|x| x.u32_be());
     Lookup {
         set: a
@@ -50,7 +49,7 @@ pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Lookup {
         sreg: reg_of(a, NFTA_LOOKUP_SREG),
         has_dreg: matches!(dreg, Some(r) if r != NFT_REG_VERDICT),
         dreg: match dreg {
-            Some(r) if r != NFT_REG_VERDICT => super::tests::ir_reg(r),
+            Some(r) if r != NFT_REG_VERDICT => super::decode::ir_reg(r),
             _ => 0,
         },
         verdict: dreg == Some(NFT_REG_VERDICT),

@@ -13,10 +13,9 @@ pub(super) fn encode(e: &Masquerade, b: &mut NlaBuf) -> Result<(), EncodeError> 
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Masquerade {
     Masquerade {
-        flags: super::tests::u32_of(a, NFTA_MASQ_FLAGS),
+        flags: super::decode::u32_of(a, NFTA_MASQ_FLAGS),
     }
 }
 

@@ -40,9 +40,8 @@ pub(super) fn encode(e: &Meta, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Meta {
-    use super::tests::{reg_of, u32_of};
+    use super::decode::{reg_of, u32_of};
     let raw = u32_of(a, NFTA_META_KEY);
     let key = (1..=10)
         .filter_map(|v| MetaKey::try_from(v).ok())

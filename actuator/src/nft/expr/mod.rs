@@ -91,21 +91,27 @@ pub(crate) fn put_value(b: &mut NlaBuf, ty: u16, bytes: &[u8]) {
     b.end_nest(n);
 }
 
-#[cfg(test)]
 pub(crate) use decode::decode;
 
-#[cfg(test)]
+/// The inverse of [`encode`]: expressions as the kernel dumps them, back into IR. Used by the
+/// reader (nft/read.rs) and by the tests. Register numbers and constants are taken as they
+/// come: a value no IR expression produces decodes into an expression the model does not hold,
+/// which the comparison reports as drift.
 mod decode {
     use splitproxy_proto::v1::{Expr, expr::Kind};
 
     use super::*;
     use crate::netlink::attr::{Attr, Attrs};
+    use crate::nft::DecodeError;
     use crate::nft::consts::{NFT_REG_VERDICT, NFTA_IMMEDIATE_DREG};
 
     /// Reads one NFTA_LIST_ELEM of an expression list back into IR.
-    pub(crate) fn decode(elem: &Attr<'_>) -> Expr {
+    pub(crate) fn decode(elem: &Attr<'_>) -> Result<Expr, DecodeError> {
         let attrs = elem.nested();
-        let name = attrs.find(NFTA_EXPR_NAME).and_then(|a| a.str()).unwrap();
+        let name = attrs
+            .find(NFTA_EXPR_NAME)
+            .and_then(|a| a.str())
+            .ok_or_else(|| DecodeError::new("expression", "no name"))?;
         let data = attrs
             .find(NFTA_EXPR_DATA)
             .map(|a| a.nested())
@@ -113,28 +119,33 @@ mod decode {
         let kind = match name {
             "payload" => Kind::Payload(payload::decode(&data)),
             "meta" => Kind::Meta(meta::decode(&data)),
-            "ct" => Kind::Ct(ct::decode(&data)),
+            "ct" => Kind::Ct(ct::decode(&data)?),
             "fib" => Kind::Fib(fib::decode(&data)),
             "cmp" => Kind::Cmp(cmp::decode(&data)),
-            "bitwise" => Kind::Bitwise(bitwise::decode(&data)),
+            "bitwise" => Kind::Bitwise(bitwise::decode(&data)?),
             "lookup" => Kind::Lookup(lookup::decode(&data)),
             "numgen" => Kind::Numgen(numgen::decode(&data)),
             "nat" => Kind::Nat(nat::decode(&data)),
             "masq" => Kind::Masquerade(masquerade::decode(&data)),
             "reject" => Kind::Reject(reject::decode(&data)),
-            "dynset" => Kind::Dynset(dynset::decode(&data)),
+            "dynset" => Kind::Dynset(dynset::decode(&data)?),
             "counter" => Kind::Counter(counter::decode(&data)),
             "immediate" => {
                 let dreg = data.find(NFTA_IMMEDIATE_DREG).and_then(|a| a.u32_be());
                 if dreg == Some(NFT_REG_VERDICT) {
-                    Kind::Verdict(verdict::decode(&data))
+                    Kind::Verdict(verdict::decode(&data)?)
                 } else {
                     Kind::Immediate(immediate::decode(&data))
                 }
             }
-            other => panic!("unknown expression {other}"),
+            other => {
+                return Err(DecodeError::new(
+                    "expression",
+                    format!("unknown kind {other}"),
+                ));
+            }
         };
-        Expr { kind: Some(kind) }
+        Ok(Expr { kind: Some(kind) })
     }
 
     /// The bytes of `ty { NFTA_DATA_VALUE bytes }`.
@@ -157,17 +168,18 @@ mod decode {
 
     /// IR register of a kernel register number. Dumps from the kernel name the 32-bit
     /// registers that start a legacy 128-bit register (REG32_00, _04, _08, _12) NFT_REG_1..4.
+    /// A number that is neither maps to a register no IR names (wrapping), so that the rule
+    /// compares unequal instead of panicking.
     pub(crate) fn ir_reg(raw: u32) -> u32 {
         match raw {
             1..=4 => (raw - 1) * 4,
-            _ => raw - crate::nft::consts::NFT_REG32_00,
+            _ => raw.wrapping_sub(crate::nft::consts::NFT_REG32_00),
         }
     }
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
-    pub(crate) use super::decode::{ir_reg, reg_of, u32_of, value};
     use super::*;
     use crate::netlink::attr::Attrs;
     use crate::nft::consts::NFPROTO_IPV4;
@@ -188,7 +200,7 @@ pub(crate) mod tests {
         let elems: Vec<_> = Attrs::new(b.bytes()).collect();
         assert_eq!(elems.len(), 1);
         assert_eq!(elems[0].ty, NFTA_LIST_ELEM);
-        let back = decode(&elems[0]);
+        let back = decode(&elems[0]).unwrap();
         back.kind.unwrap()
     }
 

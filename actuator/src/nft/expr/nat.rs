@@ -55,9 +55,8 @@ pub(super) fn encode(e: &Nat, ctx: Ctx, b: &mut NlaBuf) -> Result<(), EncodeErro
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Nat {
-    use super::tests::{reg_of, u32_of};
+    use super::decode::{reg_of, u32_of};
     let has_addr = a.find(NFTA_NAT_REG_ADDR_MIN).is_some();
     let has_proto = a.find(NFTA_NAT_REG_PROTO_MIN).is_some();
     let derived = if has_addr { NF_NAT_RANGE_MAP_IPS } else { 0 }

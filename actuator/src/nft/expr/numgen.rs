@@ -28,9 +28,8 @@ pub(super) fn encode(e: &Numgen, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Numgen {
-    use super::tests::{reg_of, u32_of};
+    use super::decode::{reg_of, u32_of};
     Numgen {
         r#type: u32_of(a, NFTA_NG_TYPE) as i32,
         modulus: u32_of(a, NFTA_NG_MODULUS),

@@ -28,9 +28,8 @@ pub(super) fn encode(e: &Payload, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Payload {
-    use super::tests::{reg_of, u32_of};
+    use super::decode::{reg_of, u32_of};
     let base = match u32_of(a, NFTA_PAYLOAD_BASE) {
         NFT_PAYLOAD_LL_HEADER => PayloadBase::Link,
         NFT_PAYLOAD_NETWORK_HEADER => PayloadBase::Network,

@@ -30,13 +30,13 @@ pub(super) fn encode(e: &Reject, b: &mut NlaBuf) -> Result<(), EncodeError> {
     Ok(())
 }
 
-#[cfg(test)]
 pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Reject {
     Reject {
-        r#type: super::tests::u32_of(a, NFTA_REJECT_TYPE) as i32,
+        r#type: super::decode::u32_of(a, NFTA_REJECT_TYPE) as i32,
         code: a
             .find(NFTA_REJECT_ICMP_CODE)
-            .map(|x| u32::from(x.value[0]))
+            .and_then(|x| x.value.first().copied())
+            .map(u32::from)
             .unwrap_or(0),
     }
 }

@@ -58,19 +58,20 @@ pub(super) fn encode(e: &Verdict, b: &mut NlaBuf) -> Result<(), EncodeError> {
 }
 
 /// Reads `ty { NFTA_DATA_VERDICT {...} }` back (tests only).
-#[cfg(test)]
-pub(crate) fn decode_verdict(a: &crate::netlink::attr::Attrs<'_>, ty: u16) -> Verdict {
+pub(crate) fn decode_verdict(
+    a: &crate::netlink::attr::Attrs<'_>,
+    ty: u16,
+) -> Result<Verdict, crate::nft::DecodeError> {
+    let missing = || crate::nft::DecodeError::new("verdict", "no verdict code");
     let v = a
         .find(ty)
-        .unwrap()
-        .nested()
-        .find(NFTA_DATA_VERDICT)
-        .unwrap();
+        .and_then(|d| d.nested().find(NFTA_DATA_VERDICT))
+        .ok_or_else(missing)?;
     let attrs = v.nested();
     let code = attrs
         .find(NFTA_VERDICT_CODE)
         .and_then(|x| x.u32_be())
-        .unwrap() as i32;
+        .ok_or_else(missing)? as i32;
     let code = match code {
         NF_ACCEPT => VerdictCode::Accept,
         NF_DROP => VerdictCode::Drop,
@@ -80,18 +81,19 @@ pub(crate) fn decode_verdict(a: &crate::netlink::attr::Attrs<'_>, ty: u16) -> Ve
         NFT_GOTO => VerdictCode::Goto,
         _ => VerdictCode::Unspecified,
     };
-    Verdict {
+    Ok(Verdict {
         code: code as i32,
         chain: attrs
             .find(NFTA_VERDICT_CHAIN)
             .and_then(|x| x.str())
             .unwrap_or_default()
             .to_owned(),
-    }
+    })
 }
 
-#[cfg(test)]
-pub(super) fn decode(a: &crate::netlink::attr::Attrs<'_>) -> Verdict {
+pub(super) fn decode(
+    a: &crate::netlink::attr::Attrs<'_>,
+) -> Result<Verdict, crate::nft::DecodeError> {
     decode_verdict(a, NFTA_IMMEDIATE_DATA)
 }
 

@@ -12,8 +12,6 @@ use crate::nft::consts::*;
 use crate::nft::set::SetLayout;
 use crate::nft::{element, rule};
 
-const NFT_MSG_GETRULE: u8 = 7;
-
 /// Sends one dump request with `attrs` and returns the attributes of every reply message.
 fn dump(msg_type: u8, family: u8, attrs: &NlaBuf) -> Vec<Vec<u8>> {
     let sock = crate::netlink::open(std::time::Duration::from_secs(5), false).unwrap();

@@ -163,13 +163,15 @@ fn ip6_table() -> Table {
     }
 }
 
+/// `rules` as a dump reads them back: the kernel keeps no direction for the protocol, which
+/// the decoder reads as original (expr/ct.rs).
 fn without_protocol_direction(rules: &[Rule]) -> Vec<Rule> {
     let mut rules = rules.to_vec();
     for x in rules.iter_mut().flat_map(|r| r.exprs.iter_mut()) {
         if let Some(Kind::Ct(c)) = &mut x.kind
             && c.key == CtKey::Protocol as i32
         {
-            c.direction = CtDirection::Unspecified as i32;
+            c.direction = CtDirection::Original as i32;
         }
     }
     rules

@@ -8,3 +8,4 @@ pub(crate) mod dump;
 mod kernel;
 mod kernel_ct;
 pub(crate) mod netns;
+mod read;
