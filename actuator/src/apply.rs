@@ -85,6 +85,10 @@ pub struct Applied {
 pub struct Outcome {
     /// Time the kernel took to commit.
     pub took: Duration,
+    /// Whether the kernel's tables changed (a batch was committed). An update that changed
+    /// nothing (the node held its content already, e.g. after a reconnect) programmed nothing,
+    /// so its trigger times are no network programming latency.
+    pub changed: bool,
     /// UDP conntrack entries the commit left stale (see conntrack.rs).
     pub conntrack: conntrack::Plan,
     /// Guarded map entries the commit left to delete (see guards.rs).
@@ -219,7 +223,8 @@ impl<K: Kernel> Applier<K> {
             return Err(ApplyError::Encode(e.clone()));
         }
         let start = Instant::now();
-        if !batch.is_empty() {
+        let changed = !batch.is_empty();
+        if changed {
             if let Err(e) = self.kernel.commit(&batch) {
                 self.refused(&e);
                 return Err(e.into());
@@ -245,6 +250,7 @@ impl<K: Kernel> Applier<K> {
         };
         Ok(Outcome {
             took,
+            changed,
             conntrack,
             guards,
             model: self.model.clone(),

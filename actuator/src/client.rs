@@ -509,7 +509,14 @@ async fn apply<K: Kernel + Send + 'static>(
                 .apply_failing
                 .store(false, std::sync::atomic::Ordering::Relaxed);
             let now = SystemTime::now();
-            for t in &update.trigger_times {
+            // Only an update that changed the kernel programmed anything: one that found its
+            // content in place (a reconnect, a resumption) would report the age of old changes.
+            let programmed = if outcome.changed {
+                &update.trigger_times[..]
+            } else {
+                &[]
+            };
+            for t in programmed {
                 let at = SystemTime::UNIX_EPOCH
                     + Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
                 if let Ok(latency) = now.duration_since(at) {
@@ -861,6 +868,62 @@ mod tests {
         assert!(
             m.contains("splitproxy_actuator_deltas_applied_total 1"),
             "{m}"
+        );
+    }
+
+    /// Network programming latency is recorded for an update that changed the kernel, not for
+    /// one whose content the node held already (a reconnect that resends the state with old
+    /// trigger times would otherwise report their age).
+    #[tokio::test]
+    async fn only_an_update_that_changed_the_kernel_reports_programming_latency() {
+        use crate::apply::kernel::Recording;
+        use splitproxy_proto::v1::{Ruleset, Table};
+
+        let applier = Arc::new(Mutex::new(Applier::new(
+            Recording::new(),
+            "splitproxy".to_owned(),
+        )));
+        let health = Arc::new(Health::default());
+        let rs = Ruleset {
+            tables: vec![Table {
+                family: v1::Family::Ip as i32,
+                name: "splitproxy".to_owned(),
+                ..Table::default()
+            }],
+        };
+        let a_minute_ago =
+            prost_types::Timestamp::from(SystemTime::now() - Duration::from_secs(60));
+        let update = |epoch, generation| Update {
+            brain_epoch: epoch,
+            generation,
+            body: Some(Body::Snapshot(rs.clone())),
+            trigger_times: vec![a_minute_ago],
+            ..Update::default()
+        };
+        let samples = |health: &Health| {
+            health
+                .metrics
+                .render()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("kubeproxy_network_programming_duration_seconds_count ")
+                })
+                .map(str::to_owned)
+        };
+        let (ack, _) = apply(Work::Update(update(1, 1)), &applier, &health).await;
+        assert!(ack.ok, "{}", ack.error);
+        assert_eq!(
+            samples(&health).as_deref(),
+            Some("1"),
+            "the first apply programmed"
+        );
+        // The same content again from another brain (a new epoch): nothing to program.
+        let (ack, _) = apply(Work::Update(update(2, 1)), &applier, &health).await;
+        assert!(ack.ok, "{}", ack.error);
+        assert_eq!(
+            samples(&health).as_deref(),
+            Some("1"),
+            "nothing changed, no sample"
         );
     }
 

@@ -237,6 +237,7 @@ impl<K: Kernel> Applier<K> {
     pub fn after_repair(&self) -> Outcome {
         Outcome {
             took: Duration::ZERO,
+            changed: true,
             conntrack: conntrack::Plan::resync(&self.model),
             guards: guards::Plan::between(&self.model, &self.model),
             model: self.model.clone(),
@@ -266,6 +267,7 @@ impl<K: Kernel> Applier<K> {
         self.kernel_generation = Some(read.generation);
         Ok(Some(Outcome {
             took: start.elapsed(),
+            changed: false,
             // Endpoints may have gone while no actuator ran.
             conntrack: conntrack::Plan::resync(&self.model),
             guards: guards::Plan::between(&self.model, &self.model),
