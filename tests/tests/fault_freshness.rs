@@ -264,7 +264,7 @@ async fn a_brain_cut_off_from_the_api_server_hands_its_nodes_to_a_current_one() 
         .write(
             lab.dir(),
             "probe-node-0",
-            &lab.pki.client_cert("node-0").unwrap(),
+            &lab.pki.node_cert("node-0").unwrap(),
         )
         .unwrap();
     let mut node_client = splitproxy_tests::deploy::grpc_client(lab.brain(cut).grpc, &tls)
