@@ -2,10 +2,9 @@
 # Builds the OCI images of the brain and the actuator from this workspace: offline, without a
 # container daemon, reproducibly (the same commit gives the same digests).
 #
-#   tools/image.sh [--out DIR] [--repository REPO] [--no-build] [--no-grpcurl]
+#   tools/image.sh [--out DIR] [--repository REPO] [--no-build]
 #
-# For each of splitproxy-brain, splitproxy-actuator and (unless --no-grpcurl) splitproxy-grpcurl
-# it writes
+# For each of splitproxy-brain, splitproxy-actuator and splitproxy-check it writes
 #   DIR/<name>/              an OCI image layout (oci-layout, index.json, blobs/sha256/...)
 #   DIR/<name>.oci.tar       the same layout as one archive, for `skopeo copy oci-archive:...`,
 #                            `podman load -i` and `ctr images import`
@@ -21,8 +20,8 @@
 #     ambient capabilities for other users), and file capabilities are ignored under
 #     no_new_privs (allowPrivilegeEscalation: false). NET_ADMIN covers both things it does to
 #     the kernel: nf_tables transactions and deleting conntrack entries over ctnetlink.
-#   - splitproxy-grpcurl (tag: grpcurl's version) is the pinned, statically linked grpcurl that
-#     tools/build-tools.sh builds, as 65532: the chart's `helm test` hook runs it.
+#   - splitproxy-check (tests/src/bin/splitproxy-check.rs), as 65532, is the chart's `helm test`
+#     program: it passes when every actuator's node is in sync.
 #
 # Reproducible: the layer is a tar written with sorted entries, uid/gid 0, no user or group names
 # and every mtime set to SOURCE_DATE_EPOCH (default: the commit time of HEAD), compressed with
@@ -41,13 +40,11 @@ target_dir=${CARGO_TARGET_DIR:-$repo_root/target}
 out=$target_dir/oci
 repository=ghcr.io/splitproxy
 build=1
-grpcurl=1
 while (($#)); do
   case $1 in
     --out) out=$2; shift 2 ;;
     --repository) repository=$2; shift 2 ;;
     --no-build) build=0; shift ;;
-    --no-grpcurl) grpcurl=0; shift ;;
     -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "image.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -57,17 +54,14 @@ triple=x86_64-unknown-linux-gnu
 if ((build)); then
   # Static binaries: no libc in the image. Only this target is installed here.
   RUSTFLAGS='-C target-feature=+crt-static' CARGO_TARGET_DIR=$target_dir \
-    cargo build --locked --release --target "$triple" -p splitproxy-brain -p splitproxy-actuator
+    cargo build --locked --release --target "$triple" \
+      -p splitproxy-brain -p splitproxy-actuator -p splitproxy-tests \
+      --bin splitproxy-brain --bin splitproxy-actuator --bin splitproxy-check
 fi
 bin_dir=$target_dir/$triple/release
 images=("splitproxy-brain=$bin_dir/splitproxy-brain=65532:65532=")
 images+=("splitproxy-actuator=$bin_dir/splitproxy-actuator=0:0=")
-if ((grpcurl)); then
-  tools_cache=${SPLITPROXY_TOOLS_CACHE:-$HOME/.cache/splitproxy-tools}
-  grpcurl_version=$(sed -n 's/^GRPCURL_VERSION=v//p' tools/build-tools.sh)
-  [[ -x $tools_cache/bin/grpcurl ]] || tools/build-tools.sh grpcurl >&2
-  images+=("splitproxy-grpcurl=$(readlink -f "$tools_cache/bin/grpcurl")=65532:65532=$grpcurl_version")
-fi
+images+=("splitproxy-check=$bin_dir/splitproxy-check=65532:65532=")
 
 version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml)
 commit=$(git rev-parse HEAD)
@@ -82,12 +76,11 @@ out, repository, version, commit = sys.argv[1:5]
 images = [arg.split("=") for arg in sys.argv[5:]]
 epoch = int(os.environ["SOURCE_DATE_EPOCH"])
 created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
-source = "https://github.com/splitproxy/splitproxy"
 
 DESCRIPTIONS = {
     "splitproxy-brain": "splitproxy brain: watches the API server once and streams per-node nftables deltas over mTLS gRPC",
     "splitproxy-actuator": "splitproxy actuator: applies the brain's deltas to this node's nftables over netlink (needs CAP_NET_ADMIN)",
-    "splitproxy-grpcurl": "grpcurl, pinned and statically linked, for splitproxy's helm test hook",
+    "splitproxy-check": "splitproxy's helm test program: passes when every actuator's node holds its brain's latest state",
 }
 
 PASSWD = b"root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n"
@@ -119,7 +112,7 @@ def tar_bytes(entries):
 
 def gz(data):
     buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as f:
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as f:
         f.write(data)
     return buf.getvalue()
 
@@ -183,7 +176,6 @@ for name, path, user, tag in images:
         "org.opencontainers.image.revision": commit,
         "org.opencontainers.image.created": created,
         "org.opencontainers.image.licenses": "Apache-2.0",
-        "org.opencontainers.image.source": source,
     }
     config = {
         "architecture": "amd64",

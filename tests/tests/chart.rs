@@ -624,11 +624,24 @@ async fn check_rbac(cp: &ControlPlane, streaming: bool) {
 
 /// Runs tools/image.sh into `out`; returns its report lines (name, tag, digest, archive).
 fn build_images(out: &Path) -> Vec<Vec<String>> {
-    let output = Command::new(tools::workspace_root().join("tools/image.sh"))
-        .arg("--out")
-        .arg(out)
-        .output()
-        .unwrap();
+    // A plain environment: the variables cargo sets for a test process would make the release
+    // build differ from one run by hand, and rebuild every time the two alternate.
+    let mut cmd = Command::new(tools::workspace_root().join("tools/image.sh"));
+    cmd.env_clear();
+    for var in [
+        "PATH",
+        "HOME",
+        "TMPDIR",
+        "CARGO_HOME",
+        "RUSTUP_HOME",
+        "CARGO_TARGET_DIR",
+        tools::CACHE_ENV,
+    ] {
+        if let Some(value) = std::env::var_os(var) {
+            cmd.env(var, value);
+        }
+    }
+    let output = cmd.arg("--out").arg(out).output().unwrap();
     assert!(
         output.status.success(),
         "tools/image.sh failed:\n{}",
@@ -666,7 +679,7 @@ fn images_are_reproducible_static_and_labelled() {
     let b = tempfile::tempdir().unwrap();
     let first = timed("tools/image.sh (first)", || build_images(a.path()));
     let second = timed("tools/image.sh (second)", || build_images(b.path()));
-    assert_eq!(first.len(), 3, "brain, actuator, grpcurl: {first:?}");
+    assert_eq!(first.len(), 3, "brain, actuator, check: {first:?}");
     for (x, y) in first.iter().zip(&second) {
         assert_eq!(x[..3], y[..3], "not reproducible");
         assert_eq!(
@@ -780,4 +793,120 @@ fn images_are_reproducible_static_and_labelled() {
             );
         }
     }
+}
+
+/// Runs the `helm test` program with `--timeout` seconds inside network namespace `ns` (where
+/// `brain` and the API server are forwarded to the lab's, see the test); returns whether it
+/// passed and what it printed.
+fn run_check(
+    lab: &splitproxy_tests::lab::Lab,
+    ns: &splitproxy_tests::Netns,
+    timeout: u64,
+) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_splitproxy-check"));
+    cmd.env("KUBECONFIG", lab.cp.kubeconfig_path())
+        .args(["--namespace", "splitproxy-check"])
+        .args([
+            "--actuator-selector",
+            "app.kubernetes.io/component=actuator",
+        ])
+        .args(["--brain-service", "splitproxy-brain"])
+        .args(["--server-name", "localhost"])
+        .arg("--ca")
+        .arg(&lab.operator_tls.ca)
+        .arg("--cert")
+        .arg(&lab.operator_tls.cert)
+        .arg("--key")
+        .arg(&lab.operator_tls.key)
+        .args(["--timeout", &timeout.to_string()]);
+    let log = lab.dir().join(format!("check-{timeout}.log"));
+    let _ = std::fs::remove_file(&log);
+    let mut child = ns.spawn("splitproxy-check", cmd, &log).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(timeout + 30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "splitproxy-check did not end");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    (status.success(), std::fs::read_to_string(&log).unwrap())
+}
+
+/// An actuator pod object on `node` (what the check reads to know which nodes must be in sync).
+fn actuator_pod(node: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: actuator-{node}\n  namespace: \
+         splitproxy-check\n  labels:\n    app.kubernetes.io/component: actuator\nspec:\n  \
+         nodeName: {node}\n  serviceAccountName: check\n  automountServiceAccountToken: false\n  \
+         containers:\n  - name: actuator\n    image: splitproxy-actuator\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn helm_test_program_passes_only_when_every_actuator_is_in_sync() {
+    if !is_root() {
+        eprintln!("SKIP: the lab needs root (network namespaces)");
+        return;
+    }
+    let start = Instant::now();
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_splitproxy-lab"));
+    let lab = splitproxy_tests::lab::Lab::start(splitproxy_tests::lab::LabOptions::new(exe))
+        .await
+        .unwrap();
+    lab.wait_synced(Duration::from_secs(30)).await.unwrap();
+    let client = lab.cp.client();
+    // The objects the check reads: the actuator pods on each node, and the brains' headless
+    // Service's EndpointSlice (the brain listens on host loopback in the lab).
+    // EndpointSlices refuse loopback addresses, and the lab's brain listens on host loopback:
+    // the check runs in the external client's namespace, where the client's own address
+    // forwards to the brain and 127.0.0.1 to the API server.
+    let external = lab.cluster.external_clients()[0].clone();
+    let brain_at = std::net::SocketAddr::new(external.ip(), 19443);
+    let _to_brain =
+        splitproxy_tests::forward_port(external.netns(), brain_at, lab.brain(0).grpc).unwrap();
+    let _to_api =
+        splitproxy_tests::forward_port(external.netns(), lab.cp.addr(), lab.cp.addr()).unwrap();
+    let grpc = brain_at;
+    let mut yaml = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: splitproxy-check\n---\napiVersion: \
+         v1\nkind: ServiceAccount\nmetadata:\n  name: check\n  namespace: splitproxy-check\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: \
+         splitproxy-brain-1\n  namespace: splitproxy-check\n  labels:\n    \
+         kubernetes.io/service-name: splitproxy-brain\naddressType: IPv4\nports:\n- name: grpc\n  \
+         port: {}\n  protocol: TCP\nendpoints:\n- addresses: [\"{}\"]\n  conditions:\n    ready: \
+         true\n",
+        grpc.port(),
+        grpc.ip()
+    );
+    for node in lab.node_specs() {
+        yaml.push_str("---\n");
+        yaml.push_str(&actuator_pod(&node.name));
+    }
+    manifests::apply(&client, &yaml, "splitproxy-check", false)
+        .await
+        .unwrap();
+
+    let (ok, out) = timed("splitproxy-check, every node in sync", || {
+        run_check(&lab, external.netns(), 30)
+    });
+    assert!(ok, "{out}");
+    assert!(out.contains("every node is in sync (2 nodes)"), "{out}");
+
+    // A node whose actuator never connected: the check fails and names it.
+    manifests::apply(&client, &actuator_pod("node-9"), "splitproxy-check", false)
+        .await
+        .unwrap();
+    let (ok, out) = timed("splitproxy-check, one node missing", || {
+        run_check(&lab, external.netns(), 3)
+    });
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("node-9: no brain knows this node's actuator"),
+        "{out}"
+    );
+    eprintln!(
+        "[chart] helm test program test total {:.1?}",
+        start.elapsed()
+    );
 }
