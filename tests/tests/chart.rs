@@ -176,6 +176,16 @@ fn the_schema_and_the_checks_refuse_what_cannot_work() {
             "brainAddresses",
         ),
         (
+            "one port for health and metrics",
+            vec![
+                "--set",
+                "actuator.healthzPort=10266",
+                "--set",
+                "actuator.metricsPort=10266",
+            ],
+            "must differ",
+        ),
+        (
             "a ServiceMonitor without its CRD",
             vec!["--set", "monitoring.serviceMonitor.enabled=true"],
             "ServiceMonitor",

@@ -90,6 +90,9 @@ work.
 {{- fail "kubeProxy.mode=replace needs actuator.brainAddresses: without kube-proxy neither cluster DNS nor a ClusterIP reaches the brains (discovery through EndpointSlices is not there yet)" -}}
 {{- end -}}
 {{- end -}}
+{{- if eq (include "splitproxy.actuator.healthzPort" .) (include "splitproxy.actuator.metricsPort" .) -}}
+{{- fail "actuator.healthzPort and actuator.metricsPort must differ (the chart declares each as a host port)" -}}
+{{- end -}}
 {{- if and .Values.monitoring.serviceMonitor.enabled (not (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor")) -}}
 {{- fail "monitoring.serviceMonitor.enabled needs the Prometheus Operator's CRDs (monitoring.coreos.com/v1 ServiceMonitor)" -}}
 {{- end -}}
