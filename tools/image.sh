@@ -52,8 +52,18 @@ done
 
 triple=x86_64-unknown-linux-gnu
 if ((build)); then
-  # Static binaries: no libc in the image. Only this target is installed here.
-  RUSTFLAGS='-C target-feature=+crt-static' CARGO_TARGET_DIR=$target_dir \
+  # Static binaries: no libc in the image. Only this target is installed here. The checkout's,
+  # the target directory's and the registry's paths are remapped (for Rust and for the C that
+  # ring compiles), so where they lie does not enter the binaries.
+  cargo_home=${CARGO_HOME:-$HOME/.cargo}
+  remap="$repo_root=/build/splitproxy $target_dir=/build/target $cargo_home=/build/cargo"
+  rustflags="-C target-feature=+crt-static"
+  cflags=""
+  for m in $remap; do
+    rustflags+=" --remap-path-prefix=$m"
+    cflags+=" -ffile-prefix-map=$m"
+  done
+  RUSTFLAGS=$rustflags CFLAGS_x86_64_unknown_linux_gnu=$cflags CARGO_TARGET_DIR=$target_dir \
     cargo build --locked --release --target "$triple" \
       -p splitproxy-brain -p splitproxy-actuator -p splitproxy-tests \
       --bin splitproxy-brain --bin splitproxy-actuator --bin splitproxy-check

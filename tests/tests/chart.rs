@@ -261,7 +261,7 @@ fn rendered_command_lines_are_the_binaries_flags() {
             // Beside kube-proxy: only the labelled Services, off kube-proxy's ports.
             assert_eq!(brain.rules.service_proxy_name, "splitproxy");
             assert_eq!(actuator.healthz_bind_address.port(), 10266);
-            assert_eq!(actuator.metrics_bind_address.port(), 10259);
+            assert_eq!(actuator.metrics_bind_address.port(), 10267);
             assert!(brain.rules.service_cidrs.is_empty());
         } else {
             assert_eq!(brain.listen.to_string(), "[::]:19443");

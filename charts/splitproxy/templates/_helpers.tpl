@@ -58,7 +58,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- define "splitproxy.actuator.metricsPort" -}}
 {{- if kindIs "invalid" .Values.actuator.metricsPort -}}
-{{- ternary 10249 10259 (eq .Values.kubeProxy.mode "replace") -}}
+{{- ternary 10249 10267 (eq .Values.kubeProxy.mode "replace") -}}
 {{- else -}}
 {{- .Values.actuator.metricsPort -}}
 {{- end -}}
