@@ -4,10 +4,10 @@
 # is already in the cache is not rebuilt, so a warm run takes well under a second.
 #
 #   tools/build-tools.sh [SET|NAME ...]
-#     test   etcd kube-apiserver grpcurl kube-proxy       (default; what the tests need, including
-#            the benchmark's small-scale run)
-#     bench  test + kube-proxy kube-controller-manager kwok
-#     all    bench + helm
+#     test   etcd kube-apiserver grpcurl kube-proxy helm  (default; what the tests need, including
+#            the benchmark's small-scale run and the chart's tests)
+#     bench  test + kube-controller-manager kwok
+#     all    bench
 #     NAME   any single binary of the above
 #
 # Binaries land in $SPLITPROXY_TOOLS_CACHE/<name>-<version>/<name> (default cache:
@@ -80,8 +80,8 @@ names=()
 [ $# -eq 0 ] && set -- test
 for arg in "$@"; do
   case $arg in
-    test) names+=(etcd kube-apiserver grpcurl kube-proxy) ;;
-    bench) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok) ;;
+    test) names+=(etcd kube-apiserver grpcurl kube-proxy helm) ;;
+    bench) names+=(etcd kube-apiserver grpcurl kube-proxy helm kube-controller-manager kwok) ;;
     all) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok helm) ;;
     *) names+=("$arg") ;;
   esac

@@ -329,6 +329,18 @@ impl ControlPlane {
         Ok(path)
     }
 
+    /// Writes a kubeconfig that authenticates with a bearer `token` (for example a
+    /// ServiceAccount token from the TokenRequest API, so that a process runs with exactly that
+    /// account's RBAC). Returns its path in the temp dir.
+    pub fn kubeconfig_for_token(&self, token: &str) -> Result<PathBuf> {
+        let path = self.unique_path("kubeconfig-token");
+        certs::write_file(
+            &path,
+            &render_kubeconfig(&self.url(), self.pki.ca_pem(), Auth::Token(token)),
+        )?;
+        Ok(path)
+    }
+
     fn unique_path(&self, stem: &str) -> PathBuf {
         for n in 0.. {
             let path = self.dir_path.join(format!("{stem}-{n}"));

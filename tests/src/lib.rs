@@ -18,6 +18,7 @@
 //!   EndpointSlices) and probes from pods, nodes, external clients or addresses,
 //! - [`scenario`] loads scenario directories (lab.yaml, Kubernetes YAML, probes.yaml) and
 //!   replays their probes,
+//! - [`manifests`] applies rendered manifests (helm template output) server-side,
 //! - [`certs`] issues the CA, server and client certificates for mTLS and the API server,
 //! - [`portfwd`] lets processes inside a namespace reach listeners on host loopback,
 //! - [`process`] keeps spawned processes from outliving the test and offers wait helpers.
@@ -33,6 +34,7 @@ pub mod controlplane;
 pub mod deploy;
 pub mod fixtures;
 pub mod lab;
+pub mod manifests;
 pub mod netns;
 pub mod podserver;
 pub mod portfwd;
