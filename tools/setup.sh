@@ -12,6 +12,8 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v conntrack >/dev/null || need+=(conntrack)
 command -v nsenter >/dev/null || need+=(util-linux)
 command -v curl >/dev/null || need+=(curl)
+# The image test reads the OCI archives as a registry client would.
+command -v skopeo >/dev/null || need+=(skopeo)
 # The benchmark's plots (also drawn by its small-scale test) need a font file, not fontconfig.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ ${#need[@]} -gt 0 ]; then
