@@ -17,4 +17,6 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
   cargo build --release --quiet --bins
 )
 cd "$caller"
-exec "$repo/target/release/splitproxy-lab" "${@:-demo}"
+target_dir=${CARGO_TARGET_DIR:-$repo/target}
+case $target_dir in /*) ;; *) target_dir=$repo/$target_dir ;; esac
+exec "$target_dir/release/splitproxy-lab" "${@:-demo}"
