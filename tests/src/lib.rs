@@ -21,7 +21,8 @@
 //! - [`manifests`] applies rendered manifests (helm template output) server-side,
 //! - [`certs`] issues the CA, server and client certificates for mTLS and the API server,
 //! - [`portfwd`] lets processes inside a namespace reach listeners on host loopback,
-//! - [`process`] keeps spawned processes from outliving the test and offers wait helpers.
+//! - [`process`] keeps spawned processes from outliving the test and offers wait helpers,
+//! - [`traffic`] keeps a bounded loop of new connections running while a fault test breaks things.
 //!
 //! Safety: everything that touches interfaces, routes, sysctls or nftables happens inside
 //! namespaces created here (`ip -n <ns> ...` or a thread that has entered the namespace), and
@@ -43,6 +44,7 @@ pub mod process;
 pub mod scenario;
 pub mod tools;
 pub mod topology;
+pub mod traffic;
 
 pub use controlplane::{ControlPlane, ControlPlaneOptions};
 pub use netns::Netns;

@@ -1,14 +1,12 @@
 //! Fail static and restart without disruption (docs/invariants.md), with real traffic:
 //! a node keeps forwarding while the brain is gone, resyncs when it returns, and an actuator
 //! restart neither flushes nor interrupts anything.
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
-use splitproxy_tests::{Pod, ProbeResult, Proto, probe_async};
+use splitproxy_tests::traffic::{ConnectionLoop, wait_answered};
+use splitproxy_tests::{Pod, Proto, probe_async};
 
 const WEB: &str = "10.96.2.10:80";
 
@@ -41,53 +39,8 @@ async fn setup() -> (Lab, Pod) {
             &Default::default(),
         )
         .unwrap();
-    let start = Instant::now();
-    while !probe_async(
-        client.netns(),
-        Proto::Tcp,
-        WEB.parse().unwrap(),
-        None,
-        Duration::from_millis(500),
-    )
-    .await
-    .is_answered()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "service never answered"
-        );
-    }
+    wait_answered(&client, WEB.parse().unwrap(), Duration::from_secs(10)).await;
     (lab, client)
-}
-
-/// Opens new connections back to back until `stop`, bounded by `max` connections; returns
-/// every result that was not an answer, and how many connections were made.
-fn connection_loop(
-    client: Pod,
-    stop: Arc<AtomicBool>,
-    max: usize,
-) -> tokio::task::JoinHandle<(Vec<ProbeResult>, usize)> {
-    tokio::spawn(async move {
-        let dst: SocketAddr = WEB.parse().unwrap();
-        let mut failures = Vec::new();
-        let mut n = 0;
-        while !stop.load(Ordering::Relaxed) && n < max {
-            let r = probe_async(
-                client.netns(),
-                Proto::Tcp,
-                dst,
-                None,
-                Duration::from_secs(2),
-            )
-            .await;
-            if !r.is_answered() {
-                failures.push(r);
-            }
-            n += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        (failures, n)
-    })
 }
 
 async fn wait_in_sync(lab: &Lab, timeout: Duration) {
@@ -139,14 +92,18 @@ async fn brain_outage_keeps_traffic_flowing_and_resync_drops_nothing() {
     }
 
     // Start the brain again with a connection loop running: not one connection fails.
-    let stop = Arc::new(AtomicBool::new(false));
-    let looper = connection_loop(client.clone(), stop.clone(), 5000);
+    let looper = ConnectionLoop::start(
+        vec![client.clone()],
+        WEB.parse().unwrap(),
+        5000,
+        Duration::from_secs(120),
+        Duration::from_secs(2),
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     lab.start_brain(0).unwrap();
     wait_in_sync(&lab, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    let (failures, n) = looper.await.unwrap();
+    let (failures, n) = looper.stop().await;
     assert!(n > 20, "the loop made {n} connections");
     assert!(
         failures.is_empty(),
@@ -172,8 +129,13 @@ async fn brain_outage_keeps_traffic_flowing_and_resync_drops_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn actuator_restart_keeps_rules_and_drops_nothing() {
     let (mut lab, client) = setup().await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let looper = connection_loop(client.clone(), stop.clone(), 5000);
+    let looper = ConnectionLoop::start(
+        vec![client.clone()],
+        WEB.parse().unwrap(),
+        5000,
+        Duration::from_secs(120),
+        Duration::from_secs(2),
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Exit never flushes: with both actuators stopped, traffic still flows.
     lab.stop_actuator(0).unwrap();
@@ -195,8 +157,7 @@ async fn actuator_restart_keeps_rules_and_drops_nothing() {
     lab.wait_ready(Duration::from_secs(30)).unwrap();
     wait_in_sync(&lab, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    let (failures, n) = looper.await.unwrap();
+    let (failures, n) = looper.stop().await;
     assert!(n > 20, "the loop made {n} connections");
     assert!(
         failures.is_empty(),

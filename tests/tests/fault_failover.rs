@@ -16,9 +16,6 @@
 //!
 //! No connection of the loop fails.
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use splitproxy_actuator::client::brain_order;
@@ -26,7 +23,8 @@ use splitproxy_proto::v1::{ListNodesRequest, ListNodesResponse};
 use splitproxy_tests::deploy::metric;
 use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
-use splitproxy_tests::{Pod, ProbeResult, Proto, probe_async};
+use splitproxy_tests::traffic::{ConnectionLoop, wait_answered};
+use splitproxy_tests::{Proto, probe_async};
 
 const WEB: &str = "10.96.3.10:80";
 /// Back in sync on another replica after a brain dies (issue #12's target).
@@ -34,38 +32,6 @@ const FAILOVER: Duration = Duration::from_secs(3);
 
 fn web_slice(endpoints: &[Ep]) -> String {
     slice("fo", "web-1", "web", &[("http", "TCP", 8080)], endpoints)
-}
-
-/// Opens new connections back to back until `stop`, bounded by `max` connections and by
-/// `deadline`; returns every result that was not an answer, and how many connections were made.
-fn connection_loop(
-    client: Pod,
-    stop: Arc<AtomicBool>,
-    max: usize,
-    deadline: Duration,
-) -> tokio::task::JoinHandle<(Vec<ProbeResult>, usize)> {
-    tokio::spawn(async move {
-        let dst: SocketAddr = WEB.parse().unwrap();
-        let start = Instant::now();
-        let mut failures = Vec::new();
-        let mut n = 0;
-        while !stop.load(Ordering::Relaxed) && n < max && start.elapsed() < deadline {
-            let r = probe_async(
-                client.netns(),
-                Proto::Tcp,
-                dst,
-                None,
-                Duration::from_secs(2),
-            )
-            .await;
-            if !r.is_answered() {
-                failures.push(r);
-            }
-            n += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        (failures, n)
-    })
 }
 
 async fn list_nodes(lab: &Lab, brain: usize) -> Option<ListNodesResponse> {
@@ -210,29 +176,14 @@ async fn failover_and_restart_resume_by_content_without_snapshots() {
             &Default::default(),
         )
         .unwrap();
-    let start = Instant::now();
-    while !probe_async(
-        client.netns(),
-        Proto::Tcp,
-        WEB.parse().unwrap(),
-        None,
-        Duration::from_millis(500),
-    )
-    .await
-    .is_answered()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the Service never answered"
-        );
-    }
+    wait_answered(&client, WEB.parse().unwrap(), Duration::from_secs(10)).await;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let looper = connection_loop(
-        client.clone(),
-        stop.clone(),
+    let looper = ConnectionLoop::start(
+        vec![client.clone()],
+        WEB.parse().unwrap(),
         30_000,
         Duration::from_secs(240),
+        Duration::from_secs(2),
     );
 
     // ---- 2. kill -9 of the victim ----
@@ -365,8 +316,7 @@ async fn failover_and_restart_resume_by_content_without_snapshots() {
     }
 
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    let (failures, n) = looper.await.unwrap();
+    let (failures, n) = looper.stop().await;
     eprintln!(
         "connection loop: {n} connections, {} failed",
         failures.len()

@@ -3,14 +3,12 @@
 //! made during the partition within 15 s; changes made right after an API server restart reach
 //! every node within 2 s. A connection loop to a Service the faults do not change loses no
 //! connection meanwhile.
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use splitproxy_proto::v1::{Hello, ListNodesRequest, ListNodesResponse, SyncRequest, sync_request};
 use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
+use splitproxy_tests::traffic::ConnectionLoop;
 use splitproxy_tests::{Pod, ProbeResult, Proto, probe_async};
 use tokio_stream::StreamExt;
 
@@ -87,41 +85,6 @@ async fn probe(client: &Pod, dst: &str, timeout: Duration) -> ProbeResult {
         timeout,
     )
     .await
-}
-
-/// Opens new connections to `dst` from every client in turn until `stop`, bounded by `max`
-/// connections and `max_time`; returns every result that was not an answer, and how many
-/// connections were made.
-fn connection_loop(
-    clients: Vec<Pod>,
-    dst: &'static str,
-    stop: Arc<AtomicBool>,
-    max: usize,
-    max_time: Duration,
-) -> tokio::task::JoinHandle<(Vec<ProbeResult>, usize)> {
-    tokio::spawn(async move {
-        let dst: SocketAddr = dst.parse().unwrap();
-        let start = Instant::now();
-        let mut failures = Vec::new();
-        let mut n = 0;
-        while !stop.load(Ordering::Relaxed) && n < max && start.elapsed() < max_time {
-            let client = &clients[n % clients.len()];
-            let r = probe_async(
-                client.netns(),
-                Proto::Tcp,
-                dst,
-                None,
-                Duration::from_secs(2),
-            )
-            .await;
-            if !r.is_answered() {
-                failures.push(r);
-            }
-            n += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        (failures, n)
-    })
 }
 
 /// Waits until every client's connections to WEB reach only web-a, `CONSECUTIVE` times in a
@@ -204,13 +167,12 @@ async fn a_brain_cut_off_from_the_api_server_hands_its_nodes_to_a_current_one() 
     let other = 1 - cut;
     assert!(per_brain[cut] > 0, "nodes connected: {per_brain:?}");
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let looper = connection_loop(
+    let looper = ConnectionLoop::start(
         clients.clone(),
-        STEADY,
-        stop.clone(),
+        STEADY.parse().unwrap(),
         20_000,
         Duration::from_secs(90),
+        Duration::from_secs(2),
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -331,8 +293,7 @@ async fn a_brain_cut_off_from_the_api_server_hands_its_nodes_to_a_current_one() 
         "brain-{cut} has the change:\n{nft}"
     );
 
-    stop.store(true, Ordering::Relaxed);
-    let (failures, n) = looper.await.unwrap();
+    let (failures, n) = looper.stop().await;
     assert!(n > 50, "the loop made {n} connections");
     assert!(
         failures.is_empty(),
@@ -352,13 +313,12 @@ async fn changes_right_after_an_api_server_restart_converge_within_2_s() {
 
     let opts = LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab"));
     let (mut lab, clients) = setup(opts).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let looper = connection_loop(
+    let looper = ConnectionLoop::start(
         clients.clone(),
-        STEADY,
-        stop.clone(),
+        STEADY.parse().unwrap(),
         20_000,
         Duration::from_secs(90),
+        Duration::from_secs(2),
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -417,8 +377,7 @@ async fn changes_right_after_an_api_server_restart_converge_within_2_s() {
         took + (written - answered)
     );
 
-    stop.store(true, Ordering::Relaxed);
-    let (failures, n) = looper.await.unwrap();
+    let (failures, n) = looper.stop().await;
     assert!(n > 50, "the loop made {n} connections");
     assert!(
         failures.is_empty(),

@@ -9,8 +9,6 @@
 //! through the ClusterIP fails.
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use splitproxy_proto::v1::dataplane_client::DataplaneClient;
@@ -18,11 +16,12 @@ use splitproxy_proto::v1::{
     Ack, GetNodeRulesetRequest, Hello, ListNodesRequest, ListNodesResponse, SyncRequest, Update,
     sync_request,
 };
+use splitproxy_tests::Pod;
 use splitproxy_tests::certs::{CertPair, Pki, TlsFiles};
 use splitproxy_tests::deploy::grpc_client;
 use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
-use splitproxy_tests::{Pod, ProbeResult, Proto, probe_async};
+use splitproxy_tests::traffic::{ConnectionLoop, wait_answered};
 use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -68,53 +67,8 @@ async fn setup() -> (Lab, Pod) {
             &Default::default(),
         )
         .unwrap();
-    let start = Instant::now();
-    while !probe_async(
-        client.netns(),
-        Proto::Tcp,
-        WEB.parse().unwrap(),
-        None,
-        Duration::from_millis(500),
-    )
-    .await
-    .is_answered()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "service never answered"
-        );
-    }
+    wait_answered(&client, WEB.parse().unwrap(), Duration::from_secs(10)).await;
     (lab, client)
-}
-
-/// New connections back to back until `stop`, at most `max`; every result that was not an
-/// answer, and how many connections were made.
-fn connection_loop(
-    client: Pod,
-    stop: Arc<AtomicBool>,
-    max: usize,
-) -> tokio::task::JoinHandle<(Vec<ProbeResult>, usize)> {
-    tokio::spawn(async move {
-        let dst: SocketAddr = WEB.parse().unwrap();
-        let mut failures = Vec::new();
-        let mut n = 0;
-        while !stop.load(Ordering::Relaxed) && n < max {
-            let r = probe_async(
-                client.netns(),
-                Proto::Tcp,
-                dst,
-                None,
-                Duration::from_secs(2),
-            )
-            .await;
-            if !r.is_answered() {
-                failures.push(r);
-            }
-            n += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        (failures, n)
-    })
 }
 
 /// Certificates issued into a directory of their own (issuing rewrites the directory's ca.crt,
@@ -266,8 +220,13 @@ async fn hostile_clients_are_refused_while_nodes_stay_in_sync() {
     let pki = &lab.pki;
     let mut operator = lab.operator_client(0).await.unwrap();
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let traffic = connection_loop(client, stop.clone(), 20_000);
+    let traffic = ConnectionLoop::start(
+        vec![client],
+        WEB.parse().unwrap(),
+        20_000,
+        Duration::from_secs(240),
+        Duration::from_secs(2),
+    );
 
     // In the background: a Sync that never says Hello is dropped after the Hello timeout
     // (10 s), and a stream whose certificate expires ends then.
@@ -617,8 +576,7 @@ async fn hostile_clients_are_refused_while_nodes_stay_in_sync() {
 
     // Through all of it: the nodes in sync, and not one connection through the ClusterIP failed.
     wait_in_sync(&lab, Duration::from_secs(20)).await;
-    stop.store(true, Ordering::Relaxed);
-    let (failures, made) = traffic.await.unwrap();
+    let (failures, made) = traffic.stop().await;
     println!(
         "{made} connections through the ClusterIP, {} failed",
         failures.len()

@@ -18,8 +18,6 @@
 //! [`restart_without_any_brain_serves_health_checks_and_traffic`]: every brain stopped, node-0's
 //! actuator restarted: its /readyz answers 200 and its healthCheckNodePort answers 200 with its
 //! one local endpoint, without any brain, and new connections through the ClusterIP succeed.
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -28,6 +26,7 @@ use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{GetNodeRulesetRequest, ListNodesRequest, NodeStatus, datum::Value};
 use splitproxy_tests::deploy::metric;
 use splitproxy_tests::lab::{Lab, LabOptions};
+use splitproxy_tests::traffic::ConnectionLoop;
 use splitproxy_tests::{HttpResult, Pod, Proto, probe_async};
 
 const NS: &str = "fk";
@@ -113,43 +112,6 @@ async fn setup() -> (Lab, Pod) {
         );
     }
     (lab, client)
-}
-
-/// One failed connection of the loop: when it started, and what happened.
-#[derive(Debug, Clone)]
-struct Failure {
-    started: Instant,
-    result: String,
-}
-
-/// New connections back to back until `stop`, bounded by [`LOOP_MAX_CONNECTIONS`] and
-/// [`LOOP_MAX_DURATION`]; returns the failures and how many connections were made.
-fn connection_loop(
-    client: Pod,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> tokio::task::JoinHandle<(Vec<Failure>, usize)> {
-    tokio::spawn(async move {
-        let dst: SocketAddr = WEB.parse().unwrap();
-        let began = Instant::now();
-        let mut failures = Vec::new();
-        let mut n = 0;
-        while !stop.load(std::sync::atomic::Ordering::Relaxed)
-            && n < LOOP_MAX_CONNECTIONS
-            && began.elapsed() < LOOP_MAX_DURATION
-        {
-            let started = Instant::now();
-            let r = probe_async(client.netns(), Proto::Tcp, dst, None, PROBE_TIMEOUT).await;
-            if !r.is_answered() {
-                failures.push(Failure {
-                    started,
-                    result: format!("{r:?}"),
-                });
-            }
-            n += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        (failures, n)
-    })
 }
 
 /// What node-0 should hold, as the brain says (`GetNodeRuleset`), without what the packet
@@ -278,8 +240,13 @@ async fn tampering_is_repaired_within_10s() {
     let element = web_b_element(&lab).await;
     let rogue_cluster_ip = "10.96.99.99";
 
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let looper = connection_loop(client.clone(), stop.clone());
+    let looper = ConnectionLoop::start(
+        vec![client.clone()],
+        WEB.parse().unwrap(),
+        LOOP_MAX_CONNECTIONS,
+        LOOP_MAX_DURATION,
+        PROBE_TIMEOUT,
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let tamperings: Vec<(&'static str, &'static str, bool, Vec<String>)> = vec![
@@ -383,8 +350,7 @@ async fn tampering_is_repaired_within_10s() {
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
 
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (failures, n) = looper.await.unwrap();
+    let (failures, n) = looper.stop().await;
     assert!(n > 100, "the loop made {n} connections");
     let mut outside = Vec::new();
     for f in &failures {
@@ -395,8 +361,8 @@ async fn tampering_is_repaired_within_10s() {
         });
         match inside {
             Some(w) if w.breaks_traffic => {}
-            Some(w) => outside.push(format!("during {:?}: {}", w.what, f.result)),
-            None => outside.push(format!("outside any tampering: {}", f.result)),
+            Some(w) => outside.push(format!("during {:?}: {:?}", w.what, f.result)),
+            None => outside.push(format!("outside any tampering: {:?}", f.result)),
         }
     }
     eprintln!(
