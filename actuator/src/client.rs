@@ -618,18 +618,18 @@ mod tests {
         assert!(!ack.error.is_empty());
     }
 
-    /// The whole path from a refusing kernel to the answer the brain gets, and the answer to
-    /// the update that follows.
-    #[tokio::test]
-    async fn a_refused_commit_is_answered_with_the_kernels_errno() {
-        use crate::apply::kernel::Recording;
+    /// An applier over the recording kernel fake, the node's health, and a ruleset of one empty
+    /// owned table to send it.
+    fn recording_node() -> (
+        Arc<Mutex<Applier<crate::apply::kernel::Recording>>>,
+        Arc<Health>,
+        splitproxy_proto::v1::Ruleset,
+    ) {
         use splitproxy_proto::v1::{Ruleset, Table};
-
         let applier = Arc::new(Mutex::new(Applier::new(
-            Recording::new(),
+            crate::apply::kernel::Recording::new(),
             "splitproxy".to_owned(),
         )));
-        let health = Arc::new(Health::default());
         let rs = Ruleset {
             tables: vec![Table {
                 family: v1::Family::Ip as i32,
@@ -637,6 +637,14 @@ mod tests {
                 ..Table::default()
             }],
         };
+        (applier, Arc::new(Health::default()), rs)
+    }
+
+    /// The whole path from a refusing kernel to the answer the brain gets, and the answer to
+    /// the update that follows.
+    #[tokio::test]
+    async fn a_refused_commit_is_answered_with_the_kernels_errno() {
+        let (applier, health, rs) = recording_node();
         let update = |generation| Update {
             brain_epoch: 1,
             generation,
@@ -876,21 +884,7 @@ mod tests {
     /// trigger times would otherwise report their age).
     #[tokio::test]
     async fn only_an_update_that_changed_the_kernel_reports_programming_latency() {
-        use crate::apply::kernel::Recording;
-        use splitproxy_proto::v1::{Ruleset, Table};
-
-        let applier = Arc::new(Mutex::new(Applier::new(
-            Recording::new(),
-            "splitproxy".to_owned(),
-        )));
-        let health = Arc::new(Health::default());
-        let rs = Ruleset {
-            tables: vec![Table {
-                family: v1::Family::Ip as i32,
-                name: "splitproxy".to_owned(),
-                ..Table::default()
-            }],
-        };
+        let (applier, health, rs) = recording_node();
         let a_minute_ago =
             prost_types::Timestamp::from(SystemTime::now() - Duration::from_secs(60));
         let update = |epoch, generation| Update {

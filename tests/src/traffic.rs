@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::fixtures::{Ep, docs, namespace, service, slice};
+use crate::lab::Lab;
 use crate::{Pod, ProbeResult, Proto, probe_async};
 
 /// Pause between two connections: enough to leave the machine to the components under test.
@@ -84,4 +86,39 @@ pub async fn wait_answered(client: &Pod, dst: SocketAddr, limit: Duration) {
             "{dst} never answered within {limit:?}"
         );
     }
+}
+
+/// The Service a fault test keeps traffic on: `web` in namespace `ns` at `cluster_ip`, port 80,
+/// with one endpoint (port 8080) on each of node-0 (`10.244.0.21`, pod `web-a`) and node-1
+/// (`10.244.1.21`, pod `web-b`), and a client pod on node-0 (`10.244.0.100`). Returns the client
+/// once the Service answers it.
+pub async fn web_service_with_client(lab: &Lab, ns: &str, cluster_ip: &str) -> Pod {
+    lab.apply_yaml(&docs(&[
+        namespace(ns),
+        service(ns, "web", cluster_ip, &[("http", "TCP", 80, 8080)]),
+        slice(
+            ns,
+            "web-1",
+            "web",
+            &[("http", "TCP", 8080)],
+            &[
+                Ep::new("10.244.0.21", "node-0", "web-a"),
+                Ep::new("10.244.1.21", "node-1", "web-b"),
+            ],
+        ),
+    ]))
+    .await
+    .expect("the web Service applies");
+    let client = lab
+        .ensure_pod(
+            0,
+            "client",
+            "10.244.0.100".parse().expect("an address"),
+            &Default::default(),
+            &Default::default(),
+        )
+        .expect("the client pod starts");
+    let dst = SocketAddr::new(cluster_ip.parse().expect("a ClusterIP"), 80);
+    wait_answered(&client, dst, Duration::from_secs(10)).await;
+    client
 }

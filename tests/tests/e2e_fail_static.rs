@@ -3,9 +3,9 @@
 //! restart neither flushes nor interrupts anything.
 use std::time::{Duration, Instant};
 
-use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
+use splitproxy_tests::fixtures::{Ep, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
-use splitproxy_tests::traffic::{ConnectionLoop, wait_answered};
+use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
 use splitproxy_tests::{Pod, Proto, probe_async};
 
 const WEB: &str = "10.96.2.10:80";
@@ -14,32 +14,7 @@ async fn setup() -> (Lab, Pod) {
     let lab = Lab::start(LabOptions::new(env!("CARGO_BIN_EXE_splitproxy-lab")))
         .await
         .expect("lab starts");
-    lab.apply_yaml(&docs(&[
-        namespace("fs"),
-        service("fs", "web", "10.96.2.10", &[("http", "TCP", 80, 8080)]),
-        slice(
-            "fs",
-            "web-1",
-            "web",
-            &[("http", "TCP", 8080)],
-            &[
-                Ep::new("10.244.0.21", "node-0", "web-a"),
-                Ep::new("10.244.1.21", "node-1", "web-b"),
-            ],
-        ),
-    ]))
-    .await
-    .unwrap();
-    let client = lab
-        .ensure_pod(
-            0,
-            "client",
-            "10.244.0.100".parse().unwrap(),
-            &Default::default(),
-            &Default::default(),
-        )
-        .unwrap();
-    wait_answered(&client, WEB.parse().unwrap(), Duration::from_secs(10)).await;
+    let client = web_service_with_client(&lab, "fs", "10.96.2.10").await;
     (lab, client)
 }
 

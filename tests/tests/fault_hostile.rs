@@ -19,9 +19,8 @@ use splitproxy_proto::v1::{
 use splitproxy_tests::Pod;
 use splitproxy_tests::certs::{CertPair, Pki, TlsFiles};
 use splitproxy_tests::deploy::grpc_client;
-use splitproxy_tests::fixtures::{Ep, docs, namespace, service, slice};
 use splitproxy_tests::lab::{Lab, LabOptions};
-use splitproxy_tests::traffic::{ConnectionLoop, wait_answered};
+use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
 use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -42,32 +41,7 @@ async fn setup() -> (Lab, Pod) {
     opts.brain.surface.limits.handshake_timeout = HANDSHAKE_TIMEOUT;
     opts.brain.surface.limits.max_connections_per_ip = PER_IP;
     let lab = Lab::start(opts).await.expect("lab starts");
-    lab.apply_yaml(&docs(&[
-        namespace("hostile"),
-        service("hostile", "web", "10.96.2.10", &[("http", "TCP", 80, 8080)]),
-        slice(
-            "hostile",
-            "web-1",
-            "web",
-            &[("http", "TCP", 8080)],
-            &[
-                Ep::new("10.244.0.21", "node-0", "web-a"),
-                Ep::new("10.244.1.21", "node-1", "web-b"),
-            ],
-        ),
-    ]))
-    .await
-    .unwrap();
-    let client = lab
-        .ensure_pod(
-            0,
-            "client",
-            "10.244.0.100".parse().unwrap(),
-            &Default::default(),
-            &Default::default(),
-        )
-        .unwrap();
-    wait_answered(&client, WEB.parse().unwrap(), Duration::from_secs(10)).await;
+    let client = web_service_with_client(&lab, "hostile", "10.96.2.10").await;
     (lab, client)
 }
 
