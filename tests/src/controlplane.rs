@@ -186,7 +186,11 @@ impl ControlPlane {
                 "--service-cluster-ip-range={}",
                 opts.service_cluster_ip_range
             ),
-            "--authorization-mode=RBAC".into(),
+            // As a real cluster: kubelets are confined to their own node's objects (the Node
+            // authorizer and NodeRestriction), which is what makes a pod-bound ServiceAccount
+            // token's node-name claim trustworthy.
+            "--authorization-mode=Node,RBAC".into(),
+            "--enable-admission-plugins=NodeRestriction".into(),
             "--allow-privileged=true".into(),
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
             format!("--service-account-key-file={}", sa_pub_path.display()),
