@@ -174,6 +174,11 @@ pub struct LabOptions {
     pub brain: BrainOptions,
     /// Where logs and certificates go; a temporary directory when `None`.
     pub dir: Option<PathBuf>,
+    /// Install the chart instead of starting brains and actuators directly
+    /// ([`crate::install`]): brains and actuators run on the nodes as their pods would, with
+    /// the chart's arguments, identity, RBAC and discovery. `brains` and `brain` are then
+    /// ignored (the chart's values say what the brains do).
+    pub install: Option<crate::install::InstallOptions>,
 }
 
 impl LabOptions {
@@ -203,6 +208,7 @@ impl LabOptions {
                 ..Default::default()
             },
             dir: None,
+            install: None,
         }
     }
 
@@ -311,6 +317,8 @@ pub struct Lab {
     /// With `brain_api_links`: brain `i`'s path to the API server, and the kubeconfig using it.
     api_links: Vec<(crate::portfwd::Forwarder, PathBuf)>,
     pub actuators: Vec<Actuator>,
+    /// The chart, when the lab installed it ([`LabOptions::install`]).
+    pub install: Option<crate::install::Install>,
     /// A client certificate for operators (grpcurl) and tests.
     pub operator_tls: crate::certs::TlsFiles,
     node_specs: Vec<NodeSpec>,
@@ -371,6 +379,7 @@ impl Lab {
             brain_addrs: Vec::new(),
             api_links: Vec::new(),
             actuators: Vec::new(),
+            install: None,
             operator_tls,
             node_specs,
             pods: Mutex::new(BTreeMap::new()),
@@ -394,34 +403,18 @@ impl Lab {
             .with_context(|| format!("creating pod {}", pod.name))?;
         }
         lab.create_node_objects().await?;
-        if lab.opts.brain_api_links {
-            for _ in 0..lab.opts.brains {
-                let link = crate::portfwd::forward_local(
-                    SocketAddr::from(([127, 0, 0, 1], 0)),
-                    lab.cp.addr(),
-                )?;
-                let kubeconfig = lab
-                    .cp
-                    .kubeconfig_for_server(&format!("https://{}", link.local_addr()))?;
-                lab.api_links.push((link, kubeconfig));
-            }
-        }
-        for i in 0..lab.opts.brains {
-            let brain = lab.spawn_brain(i, None)?;
-            lab.brain_addrs.push(brain.grpc);
-            lab.brains.push(Some(brain));
-        }
-        for i in 0..lab.cluster.nodes().len() {
-            let node = lab.cluster.node(i);
-            let a = Actuator::start(
+        if let Some(opts) = lab.opts.install.clone() {
+            let install = crate::install::Install::start(
+                &lab.cp,
+                &lab.cluster,
                 &lab.opts.exe,
-                node.netns(),
-                node.name(),
-                &lab.brain_addrs,
-                &lab.pki,
                 &lab.dir,
-            )?;
-            lab.actuators.push(a);
+                &opts.with_lab_values(&lab.opts),
+            )
+            .await?;
+            lab.install = Some(install);
+        } else {
+            lab.start_processes()?;
         }
         lab.wait_ready(Duration::from_secs(60))?;
         Ok(lab)
@@ -429,6 +422,40 @@ impl Lab {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Starts the brains and the actuators directly (without the chart).
+    fn start_processes(&mut self) -> Result<()> {
+        if self.opts.brain_api_links {
+            for _ in 0..self.opts.brains {
+                let link = crate::portfwd::forward_local(
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    self.cp.addr(),
+                )?;
+                let kubeconfig = self
+                    .cp
+                    .kubeconfig_for_server(&format!("https://{}", link.local_addr()))?;
+                self.api_links.push((link, kubeconfig));
+            }
+        }
+        for i in 0..self.opts.brains {
+            let brain = self.spawn_brain(i, None)?;
+            self.brain_addrs.push(brain.grpc);
+            self.brains.push(Some(brain));
+        }
+        for i in 0..self.cluster.nodes().len() {
+            let node = self.cluster.node(i);
+            let a = Actuator::start(
+                &self.opts.exe,
+                node.netns(),
+                node.name(),
+                &self.brain_addrs,
+                &self.pki,
+                &self.dir,
+            )?;
+            self.actuators.push(a);
+        }
+        Ok(())
     }
 
     /// The nodes as configured (names, zones, extra addresses, labels).
@@ -589,18 +616,26 @@ impl Lab {
 
     /// Waits until every actuator has applied a first update.
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        for (i, a) in self.actuators.iter().enumerate() {
+        for i in 0..self.cluster.nodes().len() {
             let ns = self.cluster.node(i).netns();
             let addr: SocketAddr = ACTUATOR_HEALTHZ.parse()?;
             let ok = wait_until(timeout, Duration::from_millis(100), || {
                 matches!(http_get_in(ns, addr, "/readyz"), Ok((200, _)))
             });
             if ok.is_err() {
-                bail!(
-                    "actuator {} not ready after {timeout:?}:\n{}",
-                    a.node,
-                    a.log_tail(40)
-                );
+                let node = self.cluster.node(i).name();
+                let log = match (&self.install, self.actuators.get(i)) {
+                    (Some(install), _) => install
+                        .pods_of("actuator")
+                        .into_iter()
+                        .filter(|(_, n)| *n == i)
+                        .map(|(pod, _)| install.log_tail(&pod, 40))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                    (None, Some(a)) => a.log_tail(40),
+                    (None, None) => String::new(),
+                };
+                bail!("actuator {node} not ready after {timeout:?}:\n{log}");
             }
         }
         Ok(())
@@ -620,6 +655,27 @@ impl Lab {
             .collect();
         loop {
             let mut synced = BTreeSet::new();
+            for pod in self.install.iter().flat_map(|i| i.pods_of("brain")) {
+                let install = self.install.as_ref().expect("iterating its pods");
+                let Ok(mut client) = install.operator_client(&pod.0).await else {
+                    continue;
+                };
+                let Ok(resp) = client
+                    .list_nodes(splitproxy_proto::v1::ListNodesRequest {})
+                    .await
+                else {
+                    continue;
+                };
+                let resp = resp.into_inner();
+                if resp.synced {
+                    synced.extend(
+                        resp.nodes
+                            .iter()
+                            .filter(|n| n.connected && n.in_sync)
+                            .map(|n| n.node.clone()),
+                    );
+                }
+            }
             for (i, b) in self.brains.iter().enumerate() {
                 if b.is_none() {
                     continue;
@@ -1279,6 +1335,7 @@ impl Drop for Lab {
     fn drop(&mut self) {
         lock(&self.pods).clear();
         lock(&self.host_servers).clear();
+        self.install = None;
         self.actuators.clear();
         self.brains.clear();
     }

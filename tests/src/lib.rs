@@ -19,6 +19,8 @@
 //! - [`scenario`] loads scenario directories (lab.yaml, Kubernetes YAML, probes.yaml) and
 //!   replays their probes,
 //! - [`manifests`] applies rendered manifests (helm template output) server-side,
+//! - [`install`] installs the chart on the lab's nodes as a cluster runs it (pods from its
+//!   templates with their rendered arguments, tokens, ConfigMaps and EndpointSlices),
 //! - [`certs`] issues the CA, server and client certificates for mTLS and the API server,
 //! - [`portfwd`] lets processes inside a namespace reach listeners on host loopback,
 //! - [`process`] keeps spawned processes from outliving the test and offers wait helpers,
@@ -28,12 +30,14 @@
 //! namespaces created here (`ip -n <ns> ...` or a thread that has entered the namespace), and
 //! every namespace is deleted when its owner is dropped, also while a test panics.
 
-#![forbid(unsafe_code)]
+// One exception, reviewed: `install` sets up a child's private mount namespace before exec.
+#![deny(unsafe_code)]
 
 pub mod certs;
 pub mod controlplane;
 pub mod deploy;
 pub mod fixtures;
+pub mod install;
 pub mod lab;
 pub mod manifests;
 pub mod netns;

@@ -39,6 +39,8 @@ static SWEEP: Once = Once::new();
 pub struct Netns {
     name: String,
     path: PathBuf,
+    /// Whether dropping this value deletes the namespace (false for a [`Netns::handle`]).
+    owned: bool,
 }
 
 impl Netns {
@@ -68,6 +70,7 @@ impl Netns {
             let ns = Netns {
                 path: PathBuf::from("/run/netns").join(&name),
                 name,
+                owned: true,
             };
             ns.ip(&["link", "set", "lo", "up"])?;
             return Ok(ns);
@@ -173,6 +176,16 @@ impl Netns {
         Ok(Child::from_std(name, child, Some(log.to_path_buf())))
     }
 
+    /// A second handle on this namespace that does not delete it when dropped, for work that
+    /// outlives a borrow (a background task); the owner still deletes it.
+    pub fn handle(&self) -> Netns {
+        Netns {
+            name: self.name.clone(),
+            path: self.path.clone(),
+            owned: false,
+        }
+    }
+
     /// Runs `f` on a fresh thread that has entered this namespace and returns its result.
     ///
     /// Sockets created by `f` belong to the namespace for their whole life and may be returned
@@ -240,6 +253,9 @@ impl AsRef<Netns> for Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         if let Err(err) = delete(&self.name) {
             eprintln!("[splitproxy-tests] {err:#}");
         }
@@ -250,7 +266,7 @@ impl Drop for Netns {
 ///
 /// The check compares the thread's own namespace inode with the file's, so that a failed or
 /// skipped `setns` can never let namespace-only work (sysctls, routes) reach the host.
-fn enter(path: &Path) -> Result<()> {
+pub(crate) fn enter(path: &Path) -> Result<()> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     setns(&file, CloneFlags::CLONE_NEWNET).with_context(|| format!("setns {}", path.display()))?;
     let want = file.metadata().context("stat namespace file")?;

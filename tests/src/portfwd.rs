@@ -13,7 +13,9 @@
 //! never answered, as behind a partition that drops packets), and [`Forwarder::heal`] lets new
 //! connections through again. Connections from before the cut stay blackholed for good, as
 //! connections whose state a middlebox lost: a client must notice and open new ones.
-//! [`forward_local`] forwards on the host's loopback (a brain's path to the API server).
+//! [`forward_local`] forwards on the host's loopback (a brain's path to the API server), and
+//! [`forward_into`] the other way, from host loopback into a namespace (a test's path to a
+//! brain that runs on a node, as the chart runs it).
 
 use std::net::SocketAddr;
 use std::thread::JoinHandle;
@@ -95,7 +97,16 @@ pub fn forward_port(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Resul
             Ok(listener)
         })?
         .with_context(|| format!("listening on {listen} in {}", ns.name()))?;
-    spawn(listener, target)
+    spawn(listener, target, None)
+}
+
+/// Listens on `listen` in the calling thread's namespace (host loopback) and forwards each
+/// connection to `target` dialled from inside `ns`.
+pub fn forward_into(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Result<Forwarder> {
+    let listener =
+        std::net::TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
+    listener.set_nonblocking(true)?;
+    spawn(listener, target, Some(ns.path().to_path_buf()))
 }
 
 /// Listens on `listen` in the calling thread's namespace (normally host loopback) and forwards
@@ -104,10 +115,16 @@ pub fn forward_local(listen: SocketAddr, target: SocketAddr) -> Result<Forwarder
     let listener =
         std::net::TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
     listener.set_nonblocking(true)?;
-    spawn(listener, target)
+    spawn(listener, target, None)
 }
 
-fn spawn(listener: std::net::TcpListener, target: SocketAddr) -> Result<Forwarder> {
+/// Serves `listener` on a thread of its own, dialling `target` from the namespace at `dial_in`
+/// (the caller's when `None`).
+fn spawn(
+    listener: std::net::TcpListener,
+    target: SocketAddr,
+    dial_in: Option<std::path::PathBuf>,
+) -> Result<Forwarder> {
     let local = listener.local_addr()?;
     let (link, link_rx) = watch::channel(LinkState::default());
 
@@ -119,6 +136,12 @@ fn spawn(listener: std::net::TcpListener, target: SocketAddr) -> Result<Forwarde
     let thread = std::thread::Builder::new()
         .name(format!("portfwd-{}", local.port()))
         .spawn(move || {
+            if let Some(path) = dial_in
+                && let Err(err) = crate::netns::enter(&path)
+            {
+                eprintln!("[splitproxy-tests] forwarder {local}: {err:#}");
+                return;
+            }
             runtime.block_on(async move {
                 let listener = match tokio::net::TcpListener::from_std(listener) {
                     Ok(listener) => listener,
@@ -163,7 +186,7 @@ async fn accept_loop(
                 std::future::pending::<()>().await;
                 return;
             }
-            // The runtime thread never entered a namespace, so this dials from the host's.
+            // From the forwarder thread's namespace: the host's, or the one of `forward_into`.
             let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
                 return; // dropping `inbound` closes the client's connection
             };

@@ -64,13 +64,20 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- end -}}
 
-{{/* The brain addresses the actuators try. */}}
-{{- define "splitproxy.brainAddresses" -}}
-{{- if .Values.actuator.brainAddresses -}}
-{{- join "," .Values.actuator.brainAddresses -}}
-{{- else -}}
-{{- printf "https://%s.%s.svc:%d" (include "splitproxy.brain" .) .Release.Namespace (int .Values.brain.grpcPort) -}}
+{{/* The ConfigMap holding the CA bundle of the brain's certificate (`ca.crt`). */}}
+{{- define "splitproxy.caConfigMap" -}}
+{{- default (printf "%s-ca" (include "splitproxy.brain" .)) .Values.tls.caConfigMapName -}}
 {{- end -}}
+
+{{/* The environment that points a component at the API server directly (k8sServiceHost). */}}
+{{- define "splitproxy.apiServerEnv" -}}
+{{- if .Values.k8sServiceHost }}
+# The API server directly: the kubernetes ClusterIP needs a working Service proxy.
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ .Values.k8sServiceHost | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ .Values.k8sServicePort | quote }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -86,8 +93,16 @@ work.
 {{- if not .Values.k8sServiceHost -}}
 {{- fail "kubeProxy.mode=replace needs k8sServiceHost (and k8sServicePort): without kube-proxy the kubernetes Service's ClusterIP only works once splitproxy does, so the brain must reach the API server directly" -}}
 {{- end -}}
-{{- if not .Values.actuator.brainAddresses -}}
-{{- fail "kubeProxy.mode=replace needs actuator.brainAddresses: without kube-proxy neither cluster DNS nor a ClusterIP reaches the brains (discovery through EndpointSlices is not there yet)" -}}
+{{- end -}}
+{{- if and (eq .Values.identity.mode "files") (eq .Values.tls.source "brain") -}}
+{{- fail "identity.mode=files needs tls.source existingSecret or certManager: the brain trusts that Secret's ca.crt, the CA of the nodes' client certificates (the brain's own CA signs no client certificate)" -}}
+{{- end -}}
+{{- if and (eq .Values.identity.mode "serviceAccountToken") (ne .Values.tls.source "brain") (not .Values.tls.caConfigMapName) -}}
+{{- fail "identity.mode=serviceAccountToken with tls.source existingSecret or certManager needs tls.caConfigMapName: a ConfigMap whose ca.crt is the CA of the brain's certificate (the actuators never mount the brain's Secret)" -}}
+{{- end -}}
+{{- if eq .Values.identity.mode "serviceAccountToken" -}}
+{{- if not (.Capabilities.APIVersions.Has "authentication.k8s.io/v1") -}}
+{{- fail "identity.mode=serviceAccountToken needs the TokenReview API (authentication.k8s.io/v1)" -}}
 {{- end -}}
 {{- end -}}
 {{- if eq (include "splitproxy.actuator.healthzPort" .) (include "splitproxy.actuator.metricsPort" .) -}}

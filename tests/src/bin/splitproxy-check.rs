@@ -4,8 +4,10 @@
 //!
 //! Where the answer comes from: the actuator DaemonSet's pods (which nodes must be in sync), the
 //! EndpointSlices of the brains' headless Service (which brains to ask: no ClusterIP and no DNS,
-//! so the check works without a Service proxy), and each brain's ListNodes over mTLS with an
-//! operator certificate. A node is in sync when some brain that has completed its initial lists
+//! so the check works without a Service proxy), and each brain's ListNodes over TLS as an
+//! operator: with a bearer token (`--token-file`, a projected ServiceAccount token of the brain's
+//! audience whose account the chart binds to the operator ClusterRole) or an operator client
+//! certificate (`--cert`, `--key`). A node is in sync when some brain that has completed its initial lists
 //! reports it connected, `in_sync` and without an error. Its API access: list Pods and
 //! EndpointSlices in the release's namespace, nothing else (the chart's test Role).
 //!
@@ -54,11 +56,14 @@ struct Args {
     #[arg(long)]
     ca: PathBuf,
     /// Operator client certificate (PEM).
-    #[arg(long)]
-    cert: PathBuf,
+    #[arg(long, requires = "key")]
+    cert: Option<PathBuf>,
     /// Operator client key (PEM).
-    #[arg(long)]
-    key: PathBuf,
+    #[arg(long, requires = "cert")]
+    key: Option<PathBuf>,
+    /// A token of the brain's audience, sent as `authorization: Bearer` (reread each round).
+    #[arg(long, required_unless_present = "cert")]
+    token_file: Option<PathBuf>,
     /// How long to wait for every node to be in sync (seconds).
     #[arg(long, default_value_t = 60)]
     timeout: u64,
@@ -78,16 +83,13 @@ async fn main() -> anyhow::Result<()> {
         None => kube::Config::incluster().context("in-cluster configuration")?,
     };
     let client = kube::Client::try_from(config)?;
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(
-            std::fs::read(&args.ca).with_context(|| format!("reading {}", args.ca.display()))?,
-        ))
-        .identity(Identity::from_pem(
-            std::fs::read(&args.cert)
-                .with_context(|| format!("reading {}", args.cert.display()))?,
-            std::fs::read(&args.key).with_context(|| format!("reading {}", args.key.display()))?,
-        ))
+    let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(&args.ca)?))
         .domain_name(args.server_name.clone());
+    if let (Some(cert), Some(key)) = (&args.cert, &args.key) {
+        tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout);
     let mut attempt = 0u32;
@@ -182,7 +184,16 @@ async fn check_once(
                 .await?;
             let mut grpc = DataplaneClient::new(channel)
                 .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE);
-            anyhow::Ok(grpc.list_nodes(ListNodesRequest {}).await?.into_inner())
+            let mut request = tonic::Request::new(ListNodesRequest {});
+            if let Some(path) = &args.token_file {
+                let token = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let value = format!("Bearer {}", token.trim())
+                    .parse()
+                    .context("the token is not a valid header value")?;
+                request.metadata_mut().insert("authorization", value);
+            }
+            anyhow::Ok(grpc.list_nodes(request).await?.into_inner())
         }
         .await;
         let answer = match answer {
