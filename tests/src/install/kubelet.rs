@@ -185,6 +185,9 @@ impl Install {
                 let items = key_paths(secret.items.iter().flatten().map(|i| (&i.key, &i.path)));
                 self.write_secret(&secret.name, &items, dir).await?;
             }
+            if let Some(pc) = &source.pod_certificate {
+                self.pod_certificate(pod, pc, dir).await?;
+            }
             if let Some(d) = &source.downward_api {
                 for item in d.items.iter().flatten() {
                     let field = item.field_ref.as_ref().map(|f| f.field_path.as_str());
@@ -196,6 +199,107 @@ impl Install {
                     write_atomically(&dir.join(&item.path), value.as_bytes())?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A `podCertificate` projection, as the kubelet serves it: a fresh key of the requested
+    /// type, a PodCertificateRequest created with the node's own credentials (so the API server
+    /// checks the pod, its node and its account), the signer's answer awaited (bounded), and the
+    /// key and chain written where the projection says.
+    async fn pod_certificate(
+        &self,
+        pod: &Pod,
+        projection: &k8s_openapi::api::core::v1::PodCertificateProjection,
+        dir: &Path,
+    ) -> Result<()> {
+        use k8s_openapi::api::certificates::v1::PodCertificateRequest;
+        let spec = pod.spec.as_ref().context("a Pod without spec")?;
+        let node_name = spec.node_name.clone().context("a Pod on no node")?;
+        let node = self
+            .node_names
+            .iter()
+            .position(|n| *n == node_name)
+            .with_context(|| format!("no node {node_name}"))?;
+        let alg = match projection.key_type.as_str() {
+            "ECDSAP256" => &rcgen::PKCS_ECDSA_P256_SHA256,
+            "ECDSAP384" => &rcgen::PKCS_ECDSA_P384_SHA384,
+            "ED25519" => &rcgen::PKCS_ED25519,
+            other => bail!("the lab's kubelet makes no {other} keys"),
+        };
+        let key = rcgen::KeyPair::generate_for(alg)?;
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        let stub = params.serialize_request(&key)?;
+        let account = spec
+            .service_account_name
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let sa: ServiceAccount = Api::namespaced(self.client.clone(), NAMESPACE)
+            .get(&account)
+            .await?;
+        let node_object: k8s_openapi::api::core::v1::Node =
+            Api::all(self.client.clone()).get(&node_name).await?;
+        let request: PodCertificateRequest = serde_json::from_value(json!({
+            "apiVersion": "certificates.k8s.io/v1", "kind": "PodCertificateRequest",
+            "metadata": {
+                "generateName": format!("req-{}-", pod.metadata.name.as_deref().unwrap_or("pod")),
+                "namespace": NAMESPACE,
+            },
+            "spec": {
+                "signerName": projection.signer_name,
+                "podName": pod.metadata.name,
+                "podUID": pod.metadata.uid,
+                "serviceAccountName": account,
+                "serviceAccountUID": sa.metadata.uid,
+                "nodeName": node_name,
+                "nodeUID": node_object.metadata.uid,
+                "maxExpirationSeconds": projection.max_expiration_seconds,
+                "stubPKCS10Request": base64_encode(stub.der()),
+                "unverifiedUserAnnotations": projection.user_annotations,
+            },
+        }))?;
+        let api: Api<PodCertificateRequest> =
+            Api::namespaced(self.node_clients[node].clone(), NAMESPACE);
+        let created = api
+            .create(&PostParams::default(), &request)
+            .await
+            .context("creating the PodCertificateRequest as the node")?;
+        let name = created.metadata.name.clone().unwrap_or_default();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let chain = loop {
+            let current = api.get(&name).await?;
+            let status = current.status.unwrap_or_default();
+            if let Some(chain) = status.certificate_chain.filter(|c| !c.is_empty()) {
+                break chain;
+            }
+            if let Some(c) = status
+                .conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == "Denied" || c.type_ == "Failed")
+            {
+                bail!(
+                    "PodCertificateRequest {name}: {} ({}): {}",
+                    c.type_,
+                    c.reason,
+                    c.message
+                );
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("PodCertificateRequest {name} was not answered in 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let key_pem = key.serialize_pem();
+        if let Some(path) = &projection.credential_bundle_path {
+            write_atomically(&dir.join(path), format!("{key_pem}{chain}").as_bytes())?;
+        }
+        if let Some(path) = &projection.key_path {
+            write_atomically(&dir.join(path), key_pem.as_bytes())?;
+        }
+        if let Some(path) = &projection.certificate_chain_path {
+            write_atomically(&dir.join(path), chain.as_bytes())?;
         }
         Ok(())
     }
@@ -410,4 +514,10 @@ fn mount_namespace(cmd: &mut Command, mounts: &[(PathBuf, PathBuf)]) -> Result<(
         });
     }
     Ok(())
+}
+
+/// Standard base64 (the JSON form of a Kubernetes `[]byte` field).
+fn base64_encode(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }

@@ -161,6 +161,10 @@ struct RunningPod {
 /// The chart, installed on the lab's nodes.
 pub struct Install {
     client: kube::Client,
+    /// Each node's own credentials (`system:node:NAME` in `system:nodes`), for what its kubelet
+    /// does in its name (PodCertificateRequests, which the Node authorizer and NodeRestriction
+    /// confine to the node's own pods).
+    node_clients: Vec<kube::Client>,
     exe: PathBuf,
     check_exe: Option<PathBuf>,
     dir: PathBuf,
@@ -281,8 +285,15 @@ impl Install {
             )?);
         }
         let check_exe = exe.parent().map(|d| d.join("splitproxy-check"));
+        let mut node_clients = Vec::new();
+        for node in cluster.nodes() {
+            let user = format!("system:node:{}", node.name());
+            let kubeconfig = cp.kubeconfig_for_user(&user, &["system:nodes"])?;
+            node_clients.push(crate::controlplane::client_from_file(&kubeconfig).await?);
+        }
         let mut install = Install {
             client,
+            node_clients,
             exe: exe.to_path_buf(),
             check_exe: check_exe.filter(|p| p.exists()),
             dir,
