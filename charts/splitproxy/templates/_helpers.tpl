@@ -100,6 +100,12 @@ work.
 {{- if and (eq .Values.identity.mode "serviceAccountToken") (ne .Values.tls.source "brain") (not .Values.tls.caConfigMapName) -}}
 {{- fail "identity.mode=serviceAccountToken with tls.source existingSecret or certManager needs tls.caConfigMapName: a ConfigMap whose ca.crt is the CA of the brain's certificate (the actuators never mount the brain's Secret)" -}}
 {{- end -}}
+{{- if and (eq .Values.identity.mode "podCertificate") (ne .Values.tls.source "brain") -}}
+{{- fail "identity.mode=podCertificate needs tls.source=brain: the brains sign the nodes' certificates with their own CA" -}}
+{{- end -}}
+{{- if and (eq .Values.identity.mode "podCertificate") (not (.Capabilities.APIVersions.Has "certificates.k8s.io/v1/PodCertificateRequest")) -}}
+{{- fail "identity.mode=podCertificate needs PodCertificateRequest (certificates.k8s.io/v1, Kubernetes 1.37)" -}}
+{{- end -}}
 {{- if eq .Values.identity.mode "serviceAccountToken" -}}
 {{- if not (.Capabilities.APIVersions.Has "authentication.k8s.io/v1") -}}
 {{- fail "identity.mode=serviceAccountToken needs the TokenReview API (authentication.k8s.io/v1)" -}}
