@@ -9,7 +9,13 @@ use std::time::Duration;
 use http::Uri;
 
 use crate::client::ClientConfig;
+use crate::credentials::{CertFiles, Credentials};
+use crate::discovery::DiscoveryConfig;
 use crate::healthcheck;
+
+/// The name the brain's certificate carries when brains are discovered (the brain's
+/// `--tls-server-name` default): their addresses are IPs, which it does not name.
+pub const DEFAULT_BRAIN_SERVER_NAME: &str = "splitproxy-brain";
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -20,24 +26,42 @@ use crate::healthcheck;
 pub struct Args {
     /// Brain addresses (https://host:port); each node prefers one by rendezvous hashing of its
     /// name, and tries the others in its own order when a stream fails. Repeatable or
-    /// comma-separated.
-    #[arg(long = "brain", required = true, value_delimiter = ',')]
+    /// comma-separated. Optional with --brain-service; both together: the union.
+    #[arg(long = "brain", value_delimiter = ',')]
     pub brains: Vec<String>,
-    /// Name the brain's certificate must carry (defaults to each address's host).
+    /// The brains' headless Service, NAMESPACE/NAME: brains are found by listing its
+    /// EndpointSlices (ready addresses, the port --brain-port-name) at start and whenever every
+    /// known brain failed. Never a watch, never DNS or a ClusterIP.
+    #[arg(long)]
+    pub brain_service: Option<String>,
+    /// The name of the brains' gRPC port in the Service (empty: its unnamed port).
+    #[arg(long, default_value = "grpc")]
+    pub brain_port_name: String,
+    /// kubeconfig for listing the EndpointSlices; in-cluster configuration (the pod's
+    /// ServiceAccount) when absent.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Name the brain's certificate must carry (defaults to each address's host, or to
+    /// `splitproxy-brain` with --brain-service, whose addresses are IPs).
     #[arg(long)]
     pub brain_server_name: Option<String>,
-    /// This node's name; must match the client certificate.
+    /// This node's name; must match the client certificate or the token's node.
     #[arg(long = "hostname-override", env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// CA that signed the brain's certificate (PEM).
+    /// CA that signed the brain's certificate (PEM), read again at every connection.
     #[arg(long)]
     pub ca: PathBuf,
-    /// Client certificate naming this node (PEM).
+    /// Client certificate naming this node (PEM); with --tls-key. Read at every connection.
     #[arg(long)]
-    pub tls_cert: PathBuf,
-    /// Client private key (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// Client private key (PEM); with --tls-cert.
     #[arg(long)]
-    pub tls_key: PathBuf,
+    pub tls_key: Option<PathBuf>,
+    /// A projected ServiceAccount token (audience `splitproxy`), sent as
+    /// `authorization: Bearer`; read again for every request, so the kubelet's rotations are
+    /// used without a restart. This, or --tls-cert and --tls-key, or both.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
     /// Name of the nftables tables this actuator owns (`ip NAME`, `ip6 NAME`); it refuses to
     /// touch any other.
     #[arg(long, default_value = "splitproxy")]
@@ -81,30 +105,21 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// Where the client's TLS material is. Read again at every connection, so rotated
-/// certificates are picked up without a restart (and a file caught mid-rewrite heals on the
-/// next attempt).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// CA that signed the brain's certificate (PEM).
-    pub ca: PathBuf,
-    /// Client certificate naming this node (PEM).
-    pub cert: PathBuf,
-    /// Client private key (PEM).
-    pub key: PathBuf,
-}
-
 /// What [`crate::run::run`] takes: the flags resolved and checked once, so that tests and the
 /// lab can build it directly.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     /// This node's name (--hostname-override, NODE_NAME, or the hostname).
     pub node: String,
-    /// Brain addresses, tried in this node's order (`client::brain_order`); never empty.
+    /// Static brain addresses (`--brain`), tried in this node's order (`client::brain_order`)
+    /// together with those discovered; empty only with `discovery`.
     pub brains: Vec<Uri>,
+    /// How brains are found through the API server (`--brain-service`).
+    pub discovery: Option<DiscoveryConfig>,
     /// Name the brain's certificate must carry (defaults to each address's host).
     pub brain_server_name: Option<String>,
-    pub tls: TlsFiles,
+    /// The CA, the client certificate and the token (read again when used).
+    pub credentials: Credentials,
     /// Name of the tables this actuator owns (own table only, docs/invariants.md).
     pub table: String,
     pub healthz_bind_address: SocketAddr,
@@ -119,8 +134,14 @@ pub struct Config {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("no brain address (--brain)")]
+    #[error("no brain to connect to: give --brain addresses, or --brain-service NAMESPACE/NAME")]
     NoBrain,
+    #[error("--brain-service: {0}")]
+    BrainService(String),
+    #[error("no credential for the brain: give --token-file, or --tls-cert and --tls-key, or both")]
+    NoCredential,
+    #[error("--tls-cert and --tls-key go together; only {0} was given")]
+    HalfKeyPair(&'static str),
     #[error("brain address {address:?}: {source}")]
     Brain {
         address: String,
@@ -169,17 +190,44 @@ impl Config {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        if brains.is_empty() {
+        let discovery = args
+            .brain_service
+            .as_deref()
+            .map(|s| {
+                Ok::<_, ConfigError>(DiscoveryConfig {
+                    service: s.parse().map_err(ConfigError::BrainService)?,
+                    port_name: args.brain_port_name.clone(),
+                    kubeconfig: args.kubeconfig.clone(),
+                })
+            })
+            .transpose()?;
+        if brains.is_empty() && discovery.is_none() {
             return Err(ConfigError::NoBrain);
         }
+        let client_cert = match (args.tls_cert, args.tls_key) {
+            (Some(cert), Some(key)) => Some(CertFiles { cert, key }),
+            (None, None) => None,
+            (Some(_), None) => return Err(ConfigError::HalfKeyPair("--tls-cert")),
+            (None, Some(_)) => return Err(ConfigError::HalfKeyPair("--tls-key")),
+        };
+        if client_cert.is_none() && args.token_file.is_none() {
+            return Err(ConfigError::NoCredential);
+        }
+        // Discovered addresses are IPs, which the brain's certificate does not name.
+        let brain_server_name = args.brain_server_name.or_else(|| {
+            discovery
+                .as_ref()
+                .map(|_| DEFAULT_BRAIN_SERVER_NAME.to_owned())
+        });
         Ok(Config {
             node,
             brains,
-            brain_server_name: args.brain_server_name,
-            tls: TlsFiles {
+            discovery,
+            brain_server_name,
+            credentials: Credentials {
                 ca: args.ca,
-                cert: args.tls_cert,
-                key: args.tls_key,
+                client_cert,
+                token_file: args.token_file,
             },
             table: args.table,
             healthz_bind_address: args.healthz_bind_address,
@@ -193,9 +241,10 @@ impl Config {
     pub fn client(&self) -> ClientConfig {
         ClientConfig {
             brains: self.brains.clone(),
+            discovery: self.discovery.clone(),
             server_name: self.brain_server_name.clone(),
             node: self.node.clone(),
-            tls: self.tls.clone(),
+            credentials: self.credentials.clone(),
         }
     }
 }
@@ -250,13 +299,21 @@ mod tests {
                 "https://b:1/"
             ]
         );
-        assert_eq!(c.tls.cert, PathBuf::from("/etc/sp/node.pem"));
+        assert_eq!(
+            c.credentials.client_cert.as_ref().unwrap().cert,
+            PathBuf::from("/etc/sp/node.pem")
+        );
+        assert_eq!(c.credentials.token_file, None);
+        assert_eq!(
+            (c.discovery.as_ref(), c.brain_server_name.as_deref()),
+            (None, None)
+        );
         assert_eq!(c.table, "t");
         assert_eq!(c.healthz_bind_address, c.metrics_bind_address);
         assert_eq!(c.health_check_addresses, healthcheck::DEFAULT_ADDRESSES);
         let client = c.client();
         assert_eq!((client.node.as_str(), client.brains.len()), ("node-1", 3));
-        assert_eq!(client.tls, c.tls);
+        assert_eq!(client.credentials, c.credentials);
         assert_eq!(c.reconcile_interval, Duration::from_secs(1));
     }
 
@@ -312,5 +369,116 @@ mod tests {
             matches!(&e, ConfigError::Brain { address, .. } if address == "https://a b"),
             "{e}"
         );
+    }
+
+    /// Without a Service to find brains in, static addresses are needed; with one, they are
+    /// optional, and the brain's name defaults to the brain's serving certificate name.
+    #[test]
+    fn brains_come_from_addresses_or_a_service() {
+        let base = |extra: &[&str]| {
+            let argv = ["splitproxy-actuator", "--ca", "/ca", "--token-file", "/t"];
+            Args::try_parse_from(argv.iter().chain(extra)).unwrap()
+        };
+        assert!(matches!(
+            Config::resolve(base(&["--hostname-override", "n"]), no_hostname),
+            Err(ConfigError::NoBrain)
+        ));
+        let c = Config::resolve(
+            base(&[
+                "--hostname-override",
+                "n",
+                "--brain-service",
+                "kube-system/splitproxy-brain",
+            ]),
+            no_hostname,
+        )
+        .unwrap();
+        let d = c.discovery.clone().unwrap();
+        assert_eq!(d.service.to_string(), "kube-system/splitproxy-brain");
+        assert_eq!((d.port_name.as_str(), d.kubeconfig), ("grpc", None));
+        assert!(c.brains.is_empty());
+        assert_eq!(
+            c.brain_server_name.as_deref(),
+            Some(DEFAULT_BRAIN_SERVER_NAME)
+        );
+        assert_eq!(c.client().discovery, c.discovery);
+        // Both: the union; every flag of discovery taken.
+        let c = Config::resolve(
+            base(&[
+                "--hostname-override",
+                "n",
+                "--brain",
+                "https://10.0.0.1:9443",
+                "--brain-service",
+                "ns/b",
+                "--brain-port-name",
+                "rpc",
+                "--kubeconfig",
+                "/k",
+                "--brain-server-name",
+                "brain.example",
+            ]),
+            no_hostname,
+        )
+        .unwrap();
+        let d = c.discovery.unwrap();
+        assert_eq!(
+            (
+                d.port_name.as_str(),
+                d.kubeconfig.unwrap().to_str().unwrap()
+            ),
+            ("rpc", "/k")
+        );
+        assert_eq!(c.brains.len(), 1);
+        assert_eq!(c.brain_server_name.as_deref(), Some("brain.example"));
+        let e = Config::resolve(
+            base(&[
+                "--hostname-override",
+                "n",
+                "--brain-service",
+                "splitproxy-brain",
+            ]),
+            no_hostname,
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::BrainService(_)), "{e}");
+        assert!(e.to_string().contains("NAMESPACE/NAME"), "{e}");
+    }
+
+    /// A token, a key pair, or both; half a key pair is refused, naming what is missing.
+    #[test]
+    fn credentials_are_a_token_or_a_key_pair() {
+        let parse = |extra: &[&str]| {
+            let argv = [
+                "splitproxy-actuator",
+                "--brain",
+                "https://b:1",
+                "--hostname-override",
+                "n",
+                "--ca",
+                "/ca",
+            ];
+            Config::resolve(
+                Args::try_parse_from(argv.iter().chain(extra)).unwrap(),
+                no_hostname,
+            )
+        };
+        let c = parse(&["--token-file", "/var/run/secrets/splitproxy/token"]).unwrap();
+        assert_eq!(
+            c.credentials.token_file.as_deref(),
+            Some(std::path::Path::new("/var/run/secrets/splitproxy/token"))
+        );
+        assert_eq!(c.credentials.client_cert, None);
+        assert_eq!(
+            c.brain_server_name, None,
+            "static addresses keep their host"
+        );
+        let c = parse(&["--token-file", "/t", "--tls-cert", "/c", "--tls-key", "/k"]).unwrap();
+        assert!(c.credentials.token_file.is_some() && c.credentials.client_cert.is_some());
+        assert!(matches!(parse(&[]), Err(ConfigError::NoCredential)));
+        let e = parse(&["--tls-cert", "/c"]).unwrap_err();
+        assert!(matches!(e, ConfigError::HalfKeyPair("--tls-cert")), "{e}");
+        let e = parse(&["--token-file", "/t", "--tls-key", "/k"]).unwrap_err();
+        assert!(e.to_string().contains("only --tls-key"), "{e}");
     }
 }

@@ -6,6 +6,8 @@ pub mod apply;
 pub mod client;
 pub mod config;
 pub mod conntrack;
+pub mod credentials;
+pub mod discovery;
 pub mod guards;
 pub mod health;
 pub mod healthcheck;

@@ -39,6 +39,9 @@ struct Inner {
     drift_repairs: std::collections::BTreeMap<&'static str, u64>,
     drift_repair_errors: u64,
     adopted: bool,
+    brains_known: u64,
+    discovery_lists_ok: u64,
+    discovery_lists_error: u64,
 }
 
 #[derive(Debug)]
@@ -70,6 +73,9 @@ impl Default for Metrics {
                 drift_repairs: Default::default(),
                 drift_repair_errors: 0,
                 adopted: false,
+                brains_known: 0,
+                discovery_lists_ok: 0,
+                discovery_lists_error: 0,
             }),
         }
     }
@@ -162,6 +168,22 @@ impl Metrics {
         self.with(|i| {
             i.adopted = true;
             i.elements = elements as u64;
+        })
+    }
+
+    /// How many brains this node knows (`--brain` and those found in the EndpointSlices).
+    pub fn set_brains_known(&self, n: usize) {
+        self.with(|i| i.brains_known = n as u64)
+    }
+
+    /// One list of the brains' EndpointSlices, which succeeded or not (discovery.rs).
+    pub fn discovery_listed(&self, ok: bool) {
+        self.with(|i| {
+            if ok {
+                i.discovery_lists_ok += 1
+            } else {
+                i.discovery_lists_error += 1
+            }
         })
     }
 
@@ -294,6 +316,12 @@ impl Metrics {
                 "1 when the tables a previous run left were adopted at start-up.",
                 i.adopted as u8 as f64,
             ),
+            (
+                "splitproxy_actuator_brains_known",
+                "gauge",
+                "Brains this node knows: --brain addresses and those found in the brain Service's EndpointSlices.",
+                i.brains_known as f64,
+            ),
         ];
         for (name, kind, help, v) in gauges.into_iter().chain(reconcile) {
             let _ = writeln!(
@@ -309,6 +337,17 @@ impl Metrics {
         for what in ["table", "chain", "set", "element", "undecodable"] {
             let v = i.drift_repairs.get(what).copied().unwrap_or(0);
             let _ = writeln!(out, "{name}{{what=\"{what}\"}} {v}");
+        }
+        let name = "splitproxy_actuator_discovery_lists_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Lists of the brain Service's EndpointSlices, by result (ok, error).\n# TYPE {name} counter"
+        );
+        for (result, v) in [
+            ("ok", i.discovery_lists_ok),
+            ("error", i.discovery_lists_error),
+        ] {
+            let _ = writeln!(out, "{name}{{result=\"{result}\"}} {v}");
         }
         out
     }

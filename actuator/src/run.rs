@@ -20,10 +20,12 @@ use crate::nft::NftSocket;
 use crate::reconcile;
 
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    // Fail fast on a misconfiguration; the client reads the files again at every connection.
-    for p in [&config.tls.ca, &config.tls.cert, &config.tls.key] {
-        std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
-    }
+    // Fail fast on a misconfiguration; the client reads the files again at every connection
+    // (and the token for every request).
+    config
+        .credentials
+        .check()
+        .context("the credentials for the brain")?;
     let socket = NftSocket::open().context("opening the nf_tables netlink socket")?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let applier = Arc::new(Mutex::new(
@@ -69,7 +71,15 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         health.clone(),
         config.health_check_addresses.clone(),
     ));
-    tracing::info!(node = %config.node, brains = ?config.brains, table = %config.table, "starting actuator");
+    tracing::info!(
+        node = %config.node,
+        brains = ?config.brains,
+        brain_service = ?config.discovery.as_ref().map(|d| d.service.to_string()),
+        token = config.credentials.token_file.is_some(),
+        certificate = config.credentials.client_cert.is_some(),
+        table = %config.table,
+        "starting actuator"
+    );
     adopt(&applier, &health, &after).await;
     tokio::spawn(reconcile::run(
         applier.clone(),

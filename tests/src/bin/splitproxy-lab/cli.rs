@@ -76,7 +76,7 @@ pub enum Command {
     Brain(Box<splitproxy_brain::config::Args>),
     /// Run an actuator (same as splitproxy-actuator).
     #[command(hide = true)]
-    Actuator(splitproxy_actuator::config::Args),
+    Actuator(Box<splitproxy_actuator::config::Args>),
 }
 
 #[derive(Debug, Clone, Default, clap::Args)]

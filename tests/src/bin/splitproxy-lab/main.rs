@@ -26,7 +26,7 @@ fn main() -> anyhow::Result<()> {
         }
         cli::Command::Actuator(args) => {
             splitproxy_actuator::init_logging(&args.log_format);
-            runtime()?.block_on(splitproxy_actuator::run::run(args.try_into()?))
+            runtime()?.block_on(splitproxy_actuator::run::run((*args).try_into()?))
         }
         cli::Command::Up(up) => supervisor::up(&cli.state_dir, up),
         cli::Command::Demo(up) => demo::run(&cli.state_dir, up),
