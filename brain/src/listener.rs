@@ -750,6 +750,180 @@ fn refuse_with(
 mod tests {
     use super::*;
 
+    /// The gate: a certificate comes first (a bad token beside it changes nothing); without
+    /// one, the token's identity replaces the connection's for the services; no credential, a
+    /// malformed or refused token, or tokens disabled are refused before any service runs.
+    #[tokio::test]
+    async fn the_gate_judges_certificates_first_and_tokens_otherwise() {
+        use std::sync::atomic::AtomicUsize;
+
+        use tonic::codegen::http;
+        use tower::ServiceExt as _;
+
+        use crate::tokens::{
+            BoxFuture, ReviewError, Reviewer, TokenReviewed, TokenSettings, UserInfo,
+        };
+
+        struct Fake;
+        impl Reviewer for Fake {
+            fn review_token<'a>(
+                &'a self,
+                token: &'a str,
+                _audience: &'a str,
+            ) -> BoxFuture<'a, Result<TokenReviewed, ReviewError>> {
+                Box::pin(async move {
+                    Ok(match token {
+                        "node-0-token" => TokenReviewed::Authenticated(UserInfo {
+                            username: "system:serviceaccount:kube-system:actuator".into(),
+                            extra: [(
+                                crate::tokens::NODE_NAME_CLAIM.to_string(),
+                                vec!["node-0".to_string()],
+                            )]
+                            .into(),
+                            ..Default::default()
+                        }),
+                        _ => TokenReviewed::Unauthenticated("invalid bearer token".into()),
+                    })
+                })
+            }
+            fn may_introspect<'a>(
+                &'a self,
+                _user: &'a UserInfo,
+            ) -> BoxFuture<'a, Result<bool, ReviewError>> {
+                Box::pin(async { Ok(false) })
+            }
+        }
+
+        let metrics = Arc::new(Metrics::default());
+        let settings = TokenSettings {
+            audience: "splitproxy".into(),
+            node_service_account: Some("kube-system/actuator".parse().unwrap()),
+        };
+        let tokens = Arc::new(Authenticator::new(
+            settings,
+            Groups::default(),
+            Arc::new(Fake),
+            metrics.clone(),
+        ));
+        let seen = Arc::new(Mutex::new(Vec::<Identity>::new()));
+        let served = Arc::new(AtomicUsize::new(0));
+        let inner = {
+            let (seen, served) = (seen.clone(), served.clone());
+            tower::service_fn(move |r: http::Request<()>| {
+                let (seen, served) = (seen.clone(), served.clone());
+                async move {
+                    served.fetch_add(1, Ordering::SeqCst);
+                    if let Some(p) = r.extensions().get::<PeerInfo>() {
+                        seen.lock().unwrap().push(p.identity.as_ref().clone());
+                    }
+                    Ok::<_, std::convert::Infallible>(http::Response::new(
+                        tonic::body::Body::empty(),
+                    ))
+                }
+            })
+        };
+        let gate = |tokens: Option<Arc<Authenticator>>| {
+            tower::Layer::layer(
+                &Gate {
+                    groups: Arc::new(Groups::default()),
+                    metrics: metrics.clone(),
+                    tokens,
+                },
+                inner.clone(),
+            )
+        };
+        let with_tokens = gate(Some(tokens));
+        let without_tokens = gate(None);
+        let request = |identity: Identity, authorization: Option<&str>| {
+            let mut r = http::Request::builder().uri("/splitproxy.v1.Dataplane/ListNodes");
+            if let Some(a) = authorization {
+                r = r.header("authorization", a);
+            }
+            let mut r = r.body(()).unwrap();
+            r.extensions_mut().insert(PeerInfo {
+                remote: "127.0.0.1:1".parse().unwrap(),
+                identity: Arc::new(identity),
+                started: Arc::new(AtomicBool::new(false)),
+            });
+            r
+        };
+        let status = |r: &http::Response<tonic::body::Body>| {
+            r.headers()
+                .get("grpc-status")
+                .map(|v| v.to_str().unwrap().to_string())
+        };
+        let certificate = |groups: &[&str]| Identity {
+            names: vec!["node-0".into()],
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+            expires: None,
+            credential: Credential::Certificate,
+        };
+
+        // A certificate in the node group, with a bad token beside it: the certificate.
+        let r = with_tokens
+            .clone()
+            .oneshot(request(
+                certificate(&[auth::DEFAULT_NODE_GROUP]),
+                Some("Bearer nonsense"),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(status(&r), None, "served");
+        assert_eq!(
+            seen.lock().unwrap().pop().unwrap().credential,
+            Credential::Certificate
+        );
+        // A certificate in no group is refused, token or not.
+        let r = with_tokens
+            .clone()
+            .oneshot(request(certificate(&[]), Some("Bearer node-0-token")))
+            .await
+            .unwrap();
+        assert_eq!(status(&r).as_deref(), Some("7"), "PERMISSION_DENIED");
+        // No certificate: the token's identity reaches the service.
+        let r = with_tokens
+            .clone()
+            .oneshot(request(Identity::default(), Some("Bearer node-0-token")))
+            .await
+            .unwrap();
+        assert_eq!(status(&r), None, "served");
+        let identity = seen.lock().unwrap().pop().unwrap();
+        assert_eq!(identity.names, ["node-0"]);
+        assert_eq!(identity.groups, [auth::DEFAULT_NODE_GROUP]);
+        // Refused before any service: no credential, a bad token, a malformed header, and a
+        // token when tokens are disabled.
+        for (gate, authorization, code, reason) in [
+            (&with_tokens, None, "16", Refusal::NoIdentity),
+            (&with_tokens, Some("Bearer bad"), "16", Refusal::BadToken),
+            (
+                &with_tokens,
+                Some("Basic dXNlcg=="),
+                "16",
+                Refusal::BadToken,
+            ),
+            (
+                &without_tokens,
+                Some("Bearer node-0-token"),
+                "16",
+                Refusal::NoIdentity,
+            ),
+        ] {
+            let before = metrics.surface.refused_count(reason);
+            let r = gate
+                .clone()
+                .oneshot(request(Identity::default(), authorization))
+                .await
+                .unwrap();
+            assert_eq!(status(&r).as_deref(), Some(code), "{authorization:?}");
+            assert_eq!(metrics.surface.refused_count(reason), before + 1);
+        }
+        assert_eq!(
+            served.load(Ordering::SeqCst),
+            2,
+            "only the two accepted calls"
+        );
+    }
+
     #[test]
     fn bearer_tokens_are_read_from_the_authorization_metadata() {
         use tonic::codegen::http::{HeaderMap, HeaderValue, header::AUTHORIZATION};
