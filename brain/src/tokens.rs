@@ -60,6 +60,9 @@ pub const CACHE_ENTRIES: u64 = 20_000;
 /// How long one TokenReview or SubjectAccessReview may take before the call is refused with
 /// UNAVAILABLE.
 pub const REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
+/// Reviews in flight at once: when thousands of nodes reconnect together (a brain restarted),
+/// their reviews reach the API server a few dozen at a time rather than all at once.
+pub const MAX_CONCURRENT_REVIEWS: usize = 64;
 /// Longest token sent for review (projected tokens are about 1 KiB); longer ones are refused
 /// without asking the API server.
 pub const MAX_TOKEN: usize = 16 * 1024;
@@ -261,7 +264,7 @@ impl moka::Expiry<[u8; 32], Cached> for PerEntry {
 }
 
 /// Counters of the reviews (`splitproxy_brain_token_reviews_total{result}`,
-/// `splitproxy_brain_access_reviews_total{result}`, `splitproxy_brain_token_cache_total{result}`).
+/// `splitproxy_brain_subject_access_reviews_total{result}`, `splitproxy_brain_token_cache_total{result}`).
 #[derive(Debug, Default)]
 pub struct TokenMetrics {
     pub authenticated: AtomicU64,
@@ -293,7 +296,7 @@ impl TokenMetrics {
             ],
         );
         family(
-            "splitproxy_brain_access_reviews_total",
+            "splitproxy_brain_subject_access_reviews_total",
             "SubjectAccessReviews (get splitproxy.io/introspection) for token users other than the node ServiceAccount, by result.",
             [
                 ("allowed", g(&self.access_allowed)),
@@ -316,6 +319,8 @@ pub struct Authenticator {
     groups: Groups,
     reviewer: Arc<dyn Reviewer>,
     cache: moka::future::Cache<[u8; 32], Cached>,
+    /// Bounds the reviews in flight ([`MAX_CONCURRENT_REVIEWS`]).
+    in_flight: tokio::sync::Semaphore,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -334,6 +339,7 @@ impl Authenticator {
                 .max_capacity(CACHE_ENTRIES)
                 .expire_after(PerEntry)
                 .build(),
+            in_flight: tokio::sync::Semaphore::new(MAX_CONCURRENT_REVIEWS),
             metrics,
         }
     }
@@ -377,6 +383,12 @@ impl Authenticator {
     /// Asks the API server about `token`. An `Err` (no answer) is not cached.
     async fn review(&self, token: &str) -> Result<Cached, ReviewError> {
         let c = self.counters();
+        // Waiting for a turn is not the API server failing: only the reviews are timed.
+        let _turn = self
+            .in_flight
+            .acquire()
+            .await
+            .map_err(|_| ReviewError("shutting down".into()))?;
         let reviewed = within_timeout(
             "TokenReview",
             self.reviewer.review_token(token, &self.settings.audience),
