@@ -1,10 +1,12 @@
 //! Who may call what on the brain's gRPC surface.
 //!
-//! A caller is an [`Identity`]: the names and groups its credential vouches for. Today that is
-//! a client certificate (common name and DNS SANs as names, Organizations as groups, as
-//! Kubernetes reads them); a ServiceAccount token can map to the same [`Identity`] (issue #10).
-//! [`roles`] is the one place that turns an identity into what it may do, and the RPCs ask the
-//! resulting [`Roles`]:
+//! A caller is an [`Identity`]: the names and groups its credential vouches for. A client
+//! certificate gives its common name and DNS SANs as names and its Organizations as groups, as
+//! Kubernetes reads them; a ServiceAccount token is mapped to the same shape by
+//! [`crate::tokens`] (the node ServiceAccount's token bound to a pod on node N: names = [N],
+//! groups = [node group]; a token whose user may `get` `splitproxy.io/introspection`: groups =
+//! [operator group]). [`roles`] is the one place that turns an identity into what it may do,
+//! and the RPCs ask the resulting [`Roles`]:
 //!
 //! - the node group (`--node-group`, `splitproxy:nodes`) may open `Sync` only for a node its
 //!   credential names, and read only that node's state ("node scoped", docs/invariants.md);
@@ -22,13 +24,41 @@ pub const DEFAULT_OPERATOR_GROUP: &str = "splitproxy:operators";
 /// What a caller's credential vouches for.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Identity {
-    /// Node names the credential may speak for: a certificate's common names and DNS SANs.
+    /// Node names the credential may speak for: a certificate's common names and DNS SANs, or
+    /// a node token's node-name claim.
     pub names: Vec<String>,
-    /// Groups: a certificate's Organizations.
+    /// Groups: a certificate's Organizations, or the role group a token was mapped to.
     pub groups: Vec<String>,
-    /// When the credential stops being valid (a certificate's notAfter); streams opened with
-    /// it end then, so a revoked-by-expiry node cannot keep receiving state.
+    /// When the credential stops being valid (a certificate's notAfter, a token's `exp`);
+    /// streams opened with it end then, so a revoked-by-expiry node cannot keep receiving
+    /// state.
     pub expires: Option<SystemTime>,
+    /// Which credential this identity comes from (for refusal messages and logs).
+    pub credential: Credential,
+}
+
+/// The credential an [`Identity`] was read from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Credential {
+    /// None reached the brain (no client certificate, no bearer token).
+    #[default]
+    None,
+    /// A client certificate verified against `--client-ca`.
+    Certificate,
+    /// A ServiceAccount (or other Kubernetes) token that TokenReview accepted, for this user.
+    Token { user: String },
+}
+
+impl std::fmt::Display for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credential::None => f.write_str("no credential"),
+            Credential::Certificate => f.write_str("the client certificate"),
+            Credential::Token { user } => {
+                write!(f, "the token of user {:?}", bounded(user, 256))
+            }
+        }
+    }
 }
 
 /// The groups that carry the two roles (the brain's `--node-group` and `--operator-group`).
@@ -75,8 +105,17 @@ pub fn roles(identity: &Identity, groups: &Groups) -> Roles {
 /// Why a call was refused: the `reason` label of `splitproxy_brain_refused_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Refusal {
-    /// No client certificate reached the RPC (a listener without mTLS).
+    /// Neither a client certificate nor a bearer token reached the RPC.
     NoIdentity,
+    /// TokenReview did not authenticate the bearer token: expired, for another audience,
+    /// bound to a pod or secret that is gone, or not a token at all.
+    BadToken,
+    /// A token of the node ServiceAccount that carries no node-name claim (not bound to a pod
+    /// scheduled on a node), so it names no node.
+    NoNodeClaim,
+    /// The token could not be reviewed: the API server did not answer TokenReview or
+    /// SubjectAccessReview (UNAVAILABLE: the caller tries again, or another brain).
+    TokenReviewUnavailable,
     /// The credential is in neither group.
     NoRole,
     /// `Sync` without the node role (an operator, for instance).
@@ -96,8 +135,11 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 9] = [
+    pub const ALL: [Refusal; 12] = [
         Refusal::NoIdentity,
+        Refusal::BadToken,
+        Refusal::NoNodeClaim,
+        Refusal::TokenReviewUnavailable,
         Refusal::NoRole,
         Refusal::NotANode,
         Refusal::OtherNode,
@@ -111,6 +153,9 @@ impl Refusal {
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::NoIdentity => "no_identity",
+            Refusal::BadToken => "bad_token",
+            Refusal::NoNodeClaim => "no_node_claim",
+            Refusal::TokenReviewUnavailable => "token_review_unavailable",
             Refusal::NoRole => "no_role",
             Refusal::NotANode => "not_a_node",
             Refusal::OtherNode => "other_node",
@@ -199,7 +244,7 @@ mod tests {
         Identity {
             names: names.iter().map(|s| s.to_string()).collect(),
             groups: groups.iter().map(|s| s.to_string()).collect(),
-            expires: None,
+            ..Default::default()
         }
     }
 
@@ -248,6 +293,30 @@ mod tests {
         assert_eq!(
             roles(&id(&["n"], &["nodes"]), &custom).may_sync("n"),
             Ok(())
+        );
+    }
+
+    /// The labels of `splitproxy_brain_refused_total` are part of the metrics' interface:
+    /// dashboards and alerts select on them.
+    #[test]
+    fn refusal_labels_are_pinned() {
+        let labels: Vec<&str> = Refusal::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "no_identity",
+                "bad_token",
+                "no_node_claim",
+                "token_review_unavailable",
+                "no_role",
+                "not_a_node",
+                "other_node",
+                "not_an_operator",
+                "bad_hello",
+                "hello_timeout",
+                "peer_connection_limit",
+                "connection_limit",
+            ]
         );
     }
 

@@ -54,9 +54,21 @@ pub struct Args {
     /// Server private key (PEM).
     #[arg(long)]
     pub tls_key: PathBuf,
-    /// CA that signs client (actuator and operator) certificates (PEM).
+    /// CA that signs client (actuator and operator) certificates (PEM). Optional: without it
+    /// the brain asks for no client certificate and callers authenticate with bearer tokens
+    /// (`--token-audience`); with it, a client certificate identifies its caller first.
     #[arg(long)]
-    pub client_ca: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    /// Audience of the bearer tokens callers may send (gRPC metadata `authorization: Bearer
+    /// <token>`), checked with TokenReview. Empty disables tokens (then `--client-ca` is
+    /// required).
+    #[arg(long, default_value = crate::tokens::DEFAULT_AUDIENCE)]
+    pub token_audience: String,
+    /// `<namespace>/<name>` of the actuators' ServiceAccount: its tokens bound to a pod on a
+    /// node (`authentication.kubernetes.io/node-name`) get the node role for that node only.
+    /// Without it no token gets the node role.
+    #[arg(long)]
+    pub node_service_account: Option<crate::tokens::ServiceAccountRef>,
     /// Service CIDRs: unallocated addresses inside them are dropped (Services are served
     /// whatever range their ClusterIPs come from). Repeatable or comma-separated. When unset, the brain follows the cluster's
     /// ServiceCIDR objects (networking.k8s.io/v1), as kube-proxy's nftables mode does.
@@ -183,12 +195,15 @@ pub struct BrainConfig {
     pub surface: Surface,
 }
 
-/// The gRPC surface: the groups that carry the node and operator roles ([`crate::auth`]) and the
-/// listener's bounds ([`crate::listener`]).
+/// The gRPC surface: the groups that carry the node and operator roles ([`crate::auth`]), how
+/// bearer tokens map to them ([`crate::tokens`]) and the listener's bounds
+/// ([`crate::listener`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Surface {
     /// `--node-group` and `--operator-group`.
     pub groups: crate::auth::Groups,
+    /// `--token-audience` and `--node-service-account`.
+    pub tokens: crate::tokens::TokenSettings,
     /// `--tls-handshake-timeout-ms`, `--max-connections`, `--max-connections-per-ip`.
     pub limits: crate::listener::Limits,
 }
@@ -197,6 +212,7 @@ impl Default for Surface {
     fn default() -> Self {
         Surface {
             groups: crate::auth::Groups::default(),
+            tokens: crate::tokens::TokenSettings::default(),
             limits: crate::listener::Limits {
                 handshake_timeout: Duration::from_millis(DEFAULT_TLS_HANDSHAKE_TIMEOUT_MS),
                 max_connections: DEFAULT_MAX_CONNECTIONS,
@@ -209,30 +225,43 @@ impl Default for Surface {
 impl Surface {
     /// The flags that give a brain this surface (see [`BrainConfig::to_args`]).
     pub fn to_args(&self) -> Vec<String> {
-        vec![
+        let mut args = vec![
             "--node-group".into(),
             self.groups.node.clone(),
             "--operator-group".into(),
             self.groups.operator.clone(),
+            // An empty audience (tokens disabled) is an empty argument.
+            "--token-audience".into(),
+            self.tokens.audience.clone(),
             "--tls-handshake-timeout-ms".into(),
             self.limits.handshake_timeout.as_millis().to_string(),
             "--max-connections".into(),
             self.limits.max_connections.to_string(),
             "--max-connections-per-ip".into(),
             self.limits.max_connections_per_ip.to_string(),
-        ]
+        ];
+        if let Some(account) = &self.tokens.node_service_account {
+            args.push("--node-service-account".into());
+            args.push(account.to_string());
+        }
+        args
     }
 }
 
-/// The PEM files of the gRPC server's mTLS.
+/// The PEM files of the gRPC server's TLS, and whether callers must present a client
+/// certificate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsPaths {
     /// `--tls-cert`.
     pub cert: PathBuf,
     /// `--tls-key`.
     pub key: PathBuf,
-    /// `--client-ca`.
-    pub client_ca: PathBuf,
+    /// `--client-ca`: without it no client certificate is asked for.
+    pub client_ca: Option<PathBuf>,
+    /// Whether a caller may complete the handshake without a client certificate although
+    /// `client_ca` is set: true when bearer tokens are enabled (`--token-audience` not empty),
+    /// so token callers and certificate callers share the listener. Follows from the flags.
+    pub client_cert_optional: bool,
 }
 
 /// How the brain paces and sizes its work; the defaults are the flags' defaults.
@@ -270,6 +299,10 @@ impl Default for Tuning {
 pub enum ConfigError {
     #[error("{0}")]
     NodePortAddresses(String),
+    #[error(
+        "no way to authenticate callers: give --client-ca, or a non-empty --token-audience (the default)"
+    )]
+    NoAuthentication,
 }
 
 impl TryFrom<Args> for BrainConfig {
@@ -286,6 +319,13 @@ impl TryFrom<Args> for BrainConfig {
             });
         let nodeport_addresses = NodePortAddresses::parse(&args.nodeport_addresses)
             .map_err(ConfigError::NodePortAddresses)?;
+        let tokens = crate::tokens::TokenSettings {
+            audience: args.token_audience,
+            node_service_account: args.node_service_account,
+        };
+        if args.client_ca.is_none() && !tokens.enabled() {
+            return Err(ConfigError::NoAuthentication);
+        }
         Ok(BrainConfig {
             kubeconfig: args.kubeconfig,
             listen: args.listen,
@@ -293,6 +333,7 @@ impl TryFrom<Args> for BrainConfig {
                 cert: args.tls_cert,
                 key: args.tls_key,
                 client_ca: args.client_ca,
+                client_cert_optional: tokens.enabled(),
             },
             metrics_bind_address: args.metrics_bind_address,
             bound_address_file: args.bound_address_file,
@@ -321,6 +362,7 @@ impl TryFrom<Args> for BrainConfig {
                     node: args.node_group,
                     operator: args.operator_group,
                 },
+                tokens,
                 limits: crate::listener::Limits {
                     handshake_timeout: Duration::from_millis(args.tls_handshake_timeout_ms),
                     max_connections: args.max_connections,
@@ -346,7 +388,9 @@ impl BrainConfig {
         flag("--listen", self.listen.to_string().into());
         flag("--tls-cert", self.tls.cert.clone().into());
         flag("--tls-key", self.tls.key.clone().into());
-        flag("--client-ca", self.tls.client_ca.clone().into());
+        if let Some(ca) = &self.tls.client_ca {
+            flag("--client-ca", ca.into());
+        }
         flag(
             "--metrics-bind-address",
             self.metrics_bind_address.to_string().into(),
@@ -468,7 +512,8 @@ mod tests {
             tls: TlsPaths {
                 cert: "/k/cert.pem".into(),
                 key: "/k/key.pem".into(),
-                client_ca: "/k/ca.pem".into(),
+                client_ca: Some("/k/ca.pem".into()),
+                client_cert_optional: true,
             },
             metrics_bind_address: "[::1]:9000".parse().unwrap(),
             bound_address_file: Some("/k/bound".into()),
@@ -502,6 +547,10 @@ mod tests {
                 groups: crate::auth::Groups {
                     node: "n".into(),
                     operator: "o".into(),
+                },
+                tokens: crate::tokens::TokenSettings {
+                    audience: "aud".into(),
+                    node_service_account: Some("kube-system/actuator".parse().unwrap()),
                 },
                 limits: crate::listener::Limits {
                     handshake_timeout: Duration::from_millis(2500),
@@ -541,6 +590,8 @@ mod tests {
             "--min-publish-interval-ms=1500",
             "--node-group=n",
             "--operator-group=o",
+            "--token-audience=aud",
+            "--node-service-account=kube-system/actuator",
             "--tls-handshake-timeout-ms=2500",
             "--max-connections=9",
             "--max-connections-per-ip=4",
@@ -603,6 +654,54 @@ mod tests {
             .concat(),
         );
         assert_eq!(explicit.rules.detect_local, DetectLocalMode::NodeCidr);
+    }
+
+    /// `--client-ca` is optional when tokens are on; with it and tokens, a certificate is
+    /// optional in the handshake; without tokens it is required; with neither the brain cannot
+    /// authenticate anybody and refuses to start.
+    #[test]
+    fn client_ca_and_tokens_decide_how_callers_authenticate() {
+        let tokens_only = parse(&os(&["--tls-cert=c", "--tls-key=k"]));
+        assert_eq!(tokens_only.tls.client_ca, None);
+        assert_eq!(tokens_only.surface.tokens.audience, "splitproxy");
+        assert!(tokens_only.surface.tokens.enabled());
+        assert_eq!(
+            format!("{:?}", parse(&tokens_only.to_args())),
+            format!("{tokens_only:?}")
+        );
+        let both = parse(&os(&["--tls-cert=c", "--tls-key=k", "--client-ca=a"]));
+        assert!(both.tls.client_cert_optional);
+        let certs_only = parse(&os(&[
+            "--tls-cert=c",
+            "--tls-key=k",
+            "--client-ca=a",
+            "--token-audience=",
+        ]));
+        assert!(!certs_only.surface.tokens.enabled());
+        assert!(!certs_only.tls.client_cert_optional);
+        assert_eq!(
+            format!("{:?}", parse(&certs_only.to_args())),
+            format!("{certs_only:?}")
+        );
+        let neither =
+            Args::try_parse_from(["b", "--tls-cert=c", "--tls-key=k", "--token-audience="])
+                .unwrap();
+        assert!(matches!(
+            BrainConfig::try_from(neither),
+            Err(ConfigError::NoAuthentication)
+        ));
+        for bad in ["nons", "/x", "x/", "a/b/c"] {
+            assert!(
+                Args::try_parse_from([
+                    "b",
+                    "--tls-cert=c",
+                    "--tls-key=k",
+                    &format!("--node-service-account={bad}"),
+                ])
+                .is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

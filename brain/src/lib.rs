@@ -19,6 +19,7 @@ pub mod rules;
 pub mod run;
 pub mod server;
 pub mod tls;
+pub mod tokens;
 pub mod watch;
 
 pub use splitproxy_proto::process::init_logging;

@@ -41,6 +41,8 @@ pub struct Metrics {
     encode: Mutex<Option<Histogram>>,
     /// The gRPC surface: refusals, failed handshakes, connections, TLS reloads.
     pub surface: crate::listener::SurfaceMetrics,
+    /// Bearer tokens: TokenReviews, SubjectAccessReviews, the review cache.
+    pub tokens: crate::tokens::TokenMetrics,
 }
 
 /// Seconds, from 100 µs to about 100 s.
@@ -306,6 +308,7 @@ impl Metrics {
             "Computing and encoding one distinct update body.",
         );
         self.surface.render(&mut out);
+        self.tokens.render(&mut out);
         out
     }
 }

@@ -13,13 +13,14 @@ use crate::fanout::Fanout;
 use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
 use crate::server::DataplaneService;
-use crate::{http, listener, tls, watch};
+use crate::{http, listener, tls, tokens, watch};
 
 /// Runs the brain with `config` (see [`crate::config`] for how flags become one) until SIGTERM or
 /// SIGINT.
 pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     // Fail fast on a bad kubeconfig; the watch thread builds its own clients on its runtime.
-    kube_client(config.kubeconfig.as_deref()).await?;
+    // This one (on the server's runtime) reviews bearer tokens.
+    let api = kube_client(config.kubeconfig.as_deref()).await?;
     let freshness = Freshness::new(config.tuning.api_staleness_bound);
     let metrics = Arc::new(Metrics::default());
     let fanout = Fanout::new(
@@ -146,6 +147,14 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     let metrics = fanout.metrics.clone();
     let tls = Arc::new(tls::ReloadingTls::new(config.tls.clone(), metrics.clone())?);
     let groups = Arc::new(config.surface.groups.clone());
+    let tokens = config.surface.tokens.enabled().then(|| {
+        Arc::new(tokens::Authenticator::new(
+            config.surface.tokens.clone(),
+            config.surface.groups.clone(),
+            Arc::new(tokens::api::ApiReviewer::new(api)),
+            metrics.clone(),
+        ))
+    });
     let service = DataplaneService {
         fanout,
         groups: groups.clone(),
@@ -160,6 +169,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         .layer(listener::Gate {
             groups,
             metrics: metrics.clone(),
+            tokens,
         })
         .add_service(health_service)
         .add_service(reflection)

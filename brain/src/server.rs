@@ -42,11 +42,15 @@ pub struct DataplaneService {
 }
 
 impl DataplaneService {
-    /// The caller of `request` and what it may do; refused when no certificate reached us.
+    /// The caller of `request` and what it may do: its client certificate's identity, or the
+    /// one its bearer token was mapped to ([`listener::Gate`] resolved it before this service
+    /// ran); refused when no credential reached us.
     fn caller<T>(&self, request: &Request<T>) -> Result<(PeerInfo, Roles), Status> {
         let Some(peer) = PeerInfo::of(request) else {
             self.fanout.metrics.surface.refused(Refusal::NoIdentity);
-            return Err(Status::unauthenticated("no client certificate"));
+            return Err(Status::unauthenticated(
+                "no client certificate and no bearer token",
+            ));
         };
         let roles = auth::roles(&peer.identity, &self.groups);
         Ok((peer, roles))
@@ -149,6 +153,7 @@ impl Dataplane for DataplaneService {
         let (tx, rx) = mpsc::channel(1);
         let fanout = self.fanout.clone();
         let expires = info.identity.expires;
+        let expired = format!("{} expired", info.identity.credential);
         let freshness = self.freshness.clone();
         tokio::spawn(async move {
             let node = hello.node.clone();
@@ -158,7 +163,7 @@ impl Dataplane for DataplaneService {
             let ended = tokio::select! {
                 r = session(&fanout, &hello, inbound, tx) => r,
                 _ = replaced.notified() => Err(Status::aborted("a newer stream for this node replaced this one")),
-                _ = until(expires) => Err(Status::unauthenticated("the client certificate expired")),
+                _ = until(expires) => Err(Status::unauthenticated(expired)),
                 () = until_stale(&fanout) => Err(stale_status(&freshness)),
             };
             if let Err(e) = ended {
@@ -412,8 +417,9 @@ impl NackBackoff {
     }
 }
 
-/// Resolves when `at` (a certificate's expiry) has passed; never without one.
-async fn until(at: Option<std::time::SystemTime>) {
+/// Resolves when `at` (a certificate's notAfter, a token's `exp`) has passed; never without
+/// one.
+pub(crate) async fn until(at: Option<std::time::SystemTime>) {
     let Some(at) = at else {
         return std::future::pending().await;
     };
@@ -472,6 +478,41 @@ mod tests {
         let mut m = Model::default();
         m.upsert_table(&(splitproxy_proto::v1::Family::Ip, format!("t{n}")), "");
         Arc::new(m)
+    }
+
+    /// A `Sync` stream ends at its identity's expiry (`until` in the session's select): for a
+    /// token, the JWT's `exp`, so a node whose token is not renewed stops receiving state.
+    #[tokio::test]
+    async fn a_token_identity_ends_its_stream_at_the_tokens_exp() {
+        use std::time::{SystemTime, UNIX_EPOCH};
+
+        use base64::Engine as _;
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        // Whole seconds, as a JWT carries them: one to two seconds from now.
+        let exp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 2;
+        let token = format!("{}.{}.sig", b64("{}"), b64(&format!(r#"{{"exp":{exp}}}"#)));
+        let expires = crate::tokens::jwt_expiry(&token);
+        assert_eq!(expires, Some(UNIX_EPOCH + Duration::from_secs(exp)));
+        let start = Instant::now();
+        tokio::time::timeout(Duration::from_secs(5), super::until(expires))
+            .await
+            .expect("the stream ends when the token expires");
+        assert!(SystemTime::now() >= UNIX_EPOCH + Duration::from_secs(exp));
+        assert!(
+            start.elapsed() >= Duration::from_millis(900),
+            "{:?}",
+            start.elapsed()
+        );
+        // Without an expiry it never ends on that account.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), super::until(None))
+                .await
+                .is_err()
+        );
     }
 
     #[test]

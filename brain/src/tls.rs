@@ -1,5 +1,6 @@
-//! mTLS for the brain's gRPC server: a server certificate, and client certificates required and
-//! verified against a CA. What a client certificate vouches for (its names, groups and expiry)
+//! TLS for the brain's gRPC server: a server certificate, and client certificates verified
+//! against a CA when `--client-ca` is given (optional in the handshake when bearer tokens are
+//! enabled, see [`crate::tokens`]). What a client certificate vouches for (its names, groups and expiry)
 //! becomes an [`Identity`], from which [`crate::auth`] decides what the caller may do ("node
 //! scoped", docs/invariants.md).
 //!
@@ -16,7 +17,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
-use crate::auth::Identity;
+use crate::auth::{Credential, Identity};
 use crate::config::TlsPaths;
 use crate::metrics::Metrics;
 
@@ -51,7 +52,8 @@ fn pem_error(path: &Path, what: impl std::fmt::Display) -> TlsError {
 }
 
 /// A rustls server configuration from the PEM files: the server's chain and key, client
-/// certificates required and verified against the client CA, HTTP/2 by ALPN (gRPC clients
+/// certificates verified against the client CA when there is one (required, unless bearer
+/// tokens are enabled: then a caller may also come without one), HTTP/2 by ALPN (gRPC clients
 /// such as grpc-go insist on it).
 pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(&paths.cert)?)
@@ -62,19 +64,30 @@ pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
     }
     let key =
         PrivateKeyDer::from_pem_slice(&read(&paths.key)?).map_err(|e| pem_error(&paths.key, e))?;
-    let mut roots = rustls::RootCertStore::empty();
-    for ca in CertificateDer::pem_slice_iter(&read(&paths.client_ca)?) {
-        let ca = ca.map_err(|e| pem_error(&paths.client_ca, e))?;
-        roots.add(ca).map_err(|e| pem_error(&paths.client_ca, e))?;
-    }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    let mut config = ServerConfig::builder_with_provider(provider)
+    let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(rustls::ALL_VERSIONS)
-        .map_err(|e| TlsError::Rustls(e.to_string()))?
-        .with_client_cert_verifier(verifier)
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    let builder = match &paths.client_ca {
+        None => builder.with_no_client_auth(),
+        Some(client_ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for ca in CertificateDer::pem_slice_iter(&read(client_ca)?) {
+                let ca = ca.map_err(|e| pem_error(client_ca, e))?;
+                roots.add(ca).map_err(|e| pem_error(client_ca, e))?;
+            }
+            let mut verifier =
+                WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            if paths.client_cert_optional {
+                verifier = verifier.allow_unauthenticated();
+            }
+            let verifier = verifier
+                .build()
+                .map_err(|e| TlsError::Rustls(e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder
         .with_single_cert(chain, key)
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
     config.alpn_protocols = vec![b"h2".to_vec()];
@@ -85,15 +98,20 @@ pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
 type Stamp = Vec<Option<(SystemTime, u64)>>;
 
 fn stamp(paths: &TlsPaths) -> Stamp {
-    [&paths.cert, &paths.key, &paths.client_ca]
-        .iter()
-        // `metadata` follows symlinks: a Kubernetes Secret volume swaps a symlink.
-        .map(|p| {
-            std::fs::metadata(p)
-                .ok()
-                .and_then(|m| Some((m.modified().ok()?, m.len())))
-        })
-        .collect()
+    [
+        Some(&paths.cert),
+        Some(&paths.key),
+        paths.client_ca.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    // `metadata` follows symlinks: a Kubernetes Secret volume swaps a symlink.
+    .map(|p| {
+        std::fs::metadata(p)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())))
+    })
+    .collect()
 }
 
 /// The server's TLS configuration, rebuilt from the files when they change. Each handshake asks
@@ -198,6 +216,7 @@ pub fn identity_of(der: &[u8]) -> Identity {
         names,
         groups,
         expires,
+        credential: Credential::Certificate,
     }
 }
 
@@ -271,7 +290,8 @@ mod tests {
         let paths = TlsPaths {
             cert: dir.path().join("tls.crt"),
             key: dir.path().join("tls.key"),
-            client_ca: dir.path().join("ca.crt"),
+            client_ca: Some(dir.path().join("ca.crt")),
+            client_cert_optional: false,
         };
         let ca = ca("ca");
         let write = |cn: &str| {
@@ -279,7 +299,7 @@ mod tests {
             std::fs::write(&paths.cert, cert).unwrap();
             std::fs::write(&paths.key, key).unwrap();
         };
-        std::fs::write(&paths.client_ca, &ca.pem).unwrap();
+        std::fs::write(paths.client_ca.as_ref().unwrap(), &ca.pem).unwrap();
         write("brain-a");
         let metrics = Arc::new(Metrics::default());
         let tls = ReloadingTls::new(paths.clone(), metrics.clone()).unwrap();

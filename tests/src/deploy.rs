@@ -123,7 +123,8 @@ impl Brain {
             tls: TlsPaths {
                 cert: tls.cert.clone(),
                 key: tls.key.clone(),
-                client_ca: tls.ca.clone(),
+                client_ca: Some(tls.ca.clone()),
+                client_cert_optional: opts.surface.tokens.enabled(),
             },
             metrics_bind_address: SocketAddr::from(([127, 0, 0, 1], 0)),
             bound_address_file: Some(bound.clone()),
