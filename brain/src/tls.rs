@@ -3,21 +3,24 @@
 //! becomes an [`Identity`], from which [`crate::auth`] decides what the caller may do ("node
 //! scoped", docs/invariants.md).
 //!
-//! The files are read again when they change ([`ReloadingTls`]): a rotated server certificate,
-//! key or client CA is used for the next handshake without a restart, as the actuator does with
-//! its own certificate.
-use std::path::Path;
+//! The server's certificate and key come from one of two sources ([`ServingSource`]): PEM files that
+//! someone else issues, or the Secret in which the brain keeps a certificate of its own
+//! ([`ServingCert`], filled by [`crate::pki`]). Either way a rotated certificate is used for the
+//! next handshake without a restart ([`ReloadingTls`]: changed files are read again, and a
+//! certificate installed from the Secret is what the next handshake resolves), as the actuator
+//! does with its own certificate; so is a changed client CA file.
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::WebPkiClientVerifier;
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
 use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
 use crate::auth::Identity;
-use crate::config::TlsPaths;
 use crate::metrics::Metrics;
 
 /// How often the files' metadata is looked at, at most (on a handshake).
@@ -50,42 +53,129 @@ fn pem_error(path: &Path, what: impl std::fmt::Display) -> TlsError {
     }
 }
 
-/// A rustls server configuration from the PEM files: the server's chain and key, client
-/// certificates required and verified against the client CA, HTTP/2 by ALPN (gRPC clients
-/// such as grpc-go insist on it).
-pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(&paths.cert)?)
-        .collect::<Result<_, _>>()
-        .map_err(|e| pem_error(&paths.cert, e))?;
-    if chain.is_empty() {
-        return Err(pem_error(&paths.cert, "no certificate"));
+/// Where the server's certificate chain and key come from.
+#[derive(Debug, Clone)]
+pub enum ServingSource {
+    /// PEM files (`--tls-cert`, `--tls-key`), read again when they change.
+    Files { cert: PathBuf, key: PathBuf },
+    /// The certificate last installed from the brain's Secret (`--tls-secret`), resolved at
+    /// every handshake.
+    Managed(Arc<ServingCert>),
+}
+
+/// The files a server configuration is read from, besides a managed certificate.
+fn files<'a>(serving: &'a ServingSource, client_ca: &'a Path) -> Vec<&'a Path> {
+    match serving {
+        ServingSource::Files { cert, key } => vec![cert, key, client_ca],
+        ServingSource::Managed(_) => vec![client_ca],
     }
-    let key =
-        PrivateKeyDer::from_pem_slice(&read(&paths.key)?).map_err(|e| pem_error(&paths.key, e))?;
+}
+
+/// A chain (leaf first) from PEM; `origin` names it in errors.
+fn chain_from_pem(pem: &[u8], origin: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| pem_error(origin, e))?;
+    if chain.is_empty() {
+        return Err(pem_error(origin, "no certificate"));
+    }
+    Ok(chain)
+}
+
+/// A rustls server configuration: the server's chain and key (from the files, or resolved from
+/// the managed certificate at each handshake), client certificates required and verified
+/// against the client CA, HTTP/2 by ALPN (gRPC clients such as grpc-go insist on it).
+pub fn server_config(serving: &ServingSource, client_ca: &Path) -> Result<ServerConfig, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
-    for ca in CertificateDer::pem_slice_iter(&read(&paths.client_ca)?) {
-        let ca = ca.map_err(|e| pem_error(&paths.client_ca, e))?;
-        roots.add(ca).map_err(|e| pem_error(&paths.client_ca, e))?;
+    for ca in CertificateDer::pem_slice_iter(&read(client_ca)?) {
+        let ca = ca.map_err(|e| pem_error(client_ca, e))?;
+        roots.add(ca).map_err(|e| pem_error(client_ca, e))?;
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .build()
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    let mut config = ServerConfig::builder_with_provider(provider)
+    let builder = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(rustls::ALL_VERSIONS)
         .map_err(|e| TlsError::Rustls(e.to_string()))?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(chain, key)
-        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+        .with_client_cert_verifier(verifier);
+    let mut config = match serving {
+        ServingSource::Files { cert, key } => {
+            let chain = chain_from_pem(&read(cert)?, cert)?;
+            let key = PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| pem_error(key, e))?;
+            builder
+                .with_single_cert(chain, key)
+                .map_err(|e| TlsError::Rustls(e.to_string()))?
+        }
+        ServingSource::Managed(current) => builder.with_cert_resolver(current.clone()),
+    };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
+}
+
+/// The brain's own serving certificate, as last installed from its Secret by [`crate::pki`]:
+/// what every handshake is answered with. Until one is installed, handshakes fail and the brain
+/// is not ready (`/readyz`). A certificate that does not load is refused, and the previous one
+/// stays.
+#[derive(Default)]
+pub struct ServingCert {
+    current: RwLock<Option<Arc<CertifiedKey>>>,
+}
+
+impl std::fmt::Debug for ServingCert {
+    // Never the key: only whether there is a certificate.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServingCert")
+            .field("installed", &self.is_ready())
+            .finish()
+    }
+}
+
+impl ServingCert {
+    /// Installs a chain (leaf first) and its key, both PEM, for the next handshakes. Returns
+    /// whether the certificate changed (the same leaf again is a no-op). A chain whose key does
+    /// not match, or that does not parse, is an error and changes nothing.
+    pub fn install(&self, chain_pem: &[u8], key_pem: &[u8]) -> Result<bool, TlsError> {
+        let origin = Path::new("the Secret's tls.crt");
+        let chain = chain_from_pem(chain_pem, origin)?;
+        if self.leaf().as_ref() == chain.first() {
+            return Ok(false);
+        }
+        // The key's parse error is not shown: it could quote key material.
+        let key = PrivateKeyDer::from_pem_slice(key_pem)
+            .map_err(|_| pem_error(Path::new("the Secret's tls.key"), "not a PEM private key"))?;
+        let provider = rustls::crypto::ring::default_provider();
+        let certified = CertifiedKey::from_der(chain, key, &provider)
+            .map_err(|e| TlsError::Rustls(e.to_string()))?;
+        if let Ok(mut c) = self.current.write() {
+            *c = Some(Arc::new(certified));
+        }
+        Ok(true)
+    }
+
+    /// Whether a certificate is installed.
+    pub fn is_ready(&self) -> bool {
+        self.current.read().map(|c| c.is_some()).unwrap_or(false)
+    }
+
+    /// The leaf certificate served now.
+    pub fn leaf(&self) -> Option<CertificateDer<'static>> {
+        let current = self.current.read().ok()?;
+        current.as_ref()?.cert.first().cloned()
+    }
+}
+
+impl ResolvesServerCert for ServingCert {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.current.read().ok()?.clone()
+    }
 }
 
 /// What identifies one version of the files: each one's modification time and length.
 type Stamp = Vec<Option<(SystemTime, u64)>>;
 
-fn stamp(paths: &TlsPaths) -> Stamp {
-    [&paths.cert, &paths.key, &paths.client_ca]
+fn stamp(files: &[&Path]) -> Stamp {
+    files
         .iter()
         // `metadata` follows symlinks: a Kubernetes Secret volume swaps a symlink.
         .map(|p| {
@@ -97,11 +187,13 @@ fn stamp(paths: &TlsPaths) -> Stamp {
 }
 
 /// The server's TLS configuration, rebuilt from the files when they change. Each handshake asks
-/// for [`ReloadingTls::current`]; at most every [`RELOAD_CHECK`] that costs three `stat`s. A
+/// for [`ReloadingTls::current`]; at most every [`RELOAD_CHECK`] that costs a `stat` per file. A
 /// file caught mid-rewrite, or a new set that does not load, keeps the previous configuration
-/// (and is tried again at the next check).
+/// (and is tried again at the next check). A managed certificate needs no rebuild: the
+/// configuration resolves it at each handshake.
 pub struct ReloadingTls {
-    paths: TlsPaths,
+    serving: ServingSource,
+    client_ca: PathBuf,
     current: RwLock<(Arc<ServerConfig>, Stamp)>,
     checked: Mutex<Instant>,
     metrics: Arc<Metrics>,
@@ -109,11 +201,16 @@ pub struct ReloadingTls {
 
 impl ReloadingTls {
     /// Loads the files once; an error here fails the start.
-    pub fn new(paths: TlsPaths, metrics: Arc<Metrics>) -> Result<Self, TlsError> {
-        let st = stamp(&paths);
-        let config = Arc::new(server_config(&paths)?);
+    pub fn new(
+        serving: ServingSource,
+        client_ca: PathBuf,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, TlsError> {
+        let st = stamp(&files(&serving, &client_ca));
+        let config = Arc::new(server_config(&serving, &client_ca)?);
         Ok(ReloadingTls {
-            paths,
+            serving,
+            client_ca,
             current: RwLock::new((config, st)),
             checked: Mutex::new(Instant::now()),
             metrics,
@@ -141,18 +238,18 @@ impl ReloadingTls {
     /// Rebuilds the configuration if a file changed since it was built; returns whether it did.
     pub fn reload_if_changed(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
-        let now = stamp(&self.paths);
+        let now = stamp(&files(&self.serving, &self.client_ca));
         let changed = self.current.read().map(|c| c.1 != now).unwrap_or(true);
         if !changed {
             return false;
         }
-        match server_config(&self.paths) {
+        match server_config(&self.serving, &self.client_ca) {
             Ok(config) => {
                 if let Ok(mut c) = self.current.write() {
                     *c = (Arc::new(config), now);
                 }
                 self.metrics.surface.tls_reloads.fetch_add(1, Relaxed);
-                tracing::info!(cert = %self.paths.cert.display(), "TLS files changed: reloaded");
+                tracing::info!(client_ca = %self.client_ca.display(), "TLS files changed: reloaded");
                 true
             }
             Err(e) => {
@@ -163,8 +260,9 @@ impl ReloadingTls {
         }
     }
 
-    pub fn paths(&self) -> &TlsPaths {
-        &self.paths
+    /// Where the serving certificate comes from.
+    pub fn serving(&self) -> &ServingSource {
+        &self.serving
     }
 }
 
@@ -268,7 +366,12 @@ mod tests {
     #[test]
     fn changed_files_are_reloaded_and_broken_ones_keep_the_last_good() {
         let dir = tempfile::tempdir().unwrap();
-        let paths = TlsPaths {
+        struct Paths {
+            cert: PathBuf,
+            key: PathBuf,
+            client_ca: PathBuf,
+        }
+        let paths = Paths {
             cert: dir.path().join("tls.crt"),
             key: dir.path().join("tls.key"),
             client_ca: dir.path().join("ca.crt"),
@@ -282,7 +385,11 @@ mod tests {
         std::fs::write(&paths.client_ca, &ca.pem).unwrap();
         write("brain-a");
         let metrics = Arc::new(Metrics::default());
-        let tls = ReloadingTls::new(paths.clone(), metrics.clone()).unwrap();
+        let serving = ServingSource::Files {
+            cert: paths.cert.clone(),
+            key: paths.key.clone(),
+        };
+        let tls = ReloadingTls::new(serving, paths.client_ca.clone(), metrics.clone()).unwrap();
         let first = tls.current();
         assert!(!tls.reload_if_changed(), "nothing changed");
 
@@ -303,5 +410,37 @@ mod tests {
         use std::sync::atomic::Ordering::Relaxed;
         assert_eq!(metrics.surface.tls_reloads.load(Relaxed), 2);
         assert_eq!(metrics.surface.tls_reload_errors.load(Relaxed), 1);
+    }
+
+    /// A managed certificate is served from the next handshake on; one whose key does not
+    /// match, or that does not parse, is refused and the previous one stays.
+    #[test]
+    fn a_managed_certificate_is_installed_only_whole() {
+        let ca = ca("ca");
+        let serving = ServingCert::default();
+        assert!(!serving.is_ready());
+        let (cert, der, key) = leaf(&ca, "brain", &[]);
+        assert!(serving.install(cert.as_bytes(), key.as_bytes()).unwrap());
+        assert!(serving.is_ready());
+        assert_eq!(serving.leaf().unwrap().as_ref(), &der[..]);
+        assert!(
+            !serving.install(cert.as_bytes(), key.as_bytes()).unwrap(),
+            "the same certificate again changes nothing"
+        );
+        let (other, _, other_key) = leaf(&ca, "brain", &[]);
+        let err = serving
+            .install(other.as_bytes(), key.as_bytes())
+            .unwrap_err();
+        assert!(!err.to_string().contains("PRIVATE"), "{err}");
+        assert!(serving.install(b"", other_key.as_bytes()).is_err());
+        assert!(serving.install(other.as_bytes(), b"garbage").is_err());
+        assert_eq!(serving.leaf().unwrap().as_ref(), &der[..], "unchanged");
+        assert!(
+            serving
+                .install(other.as_bytes(), other_key.as_bytes())
+                .unwrap()
+        );
+        assert_ne!(serving.leaf().unwrap().as_ref(), &der[..]);
+        assert!(!format!("{serving:?}").contains("PRIVATE"));
     }
 }
