@@ -26,7 +26,7 @@ use splitproxy_brain::pki::plan::Issuer;
 use splitproxy_brain::pki::store::Material;
 use splitproxy_tests::certs::{CertPair, Pki};
 use splitproxy_tests::controlplane::{ControlPlane, ControlPlaneOptions};
-use splitproxy_tests::deploy::{Brain, BrainOptions, ManagedTls};
+use splitproxy_tests::deploy::{Brain, BrainOptions, ManagedTls, metric};
 use splitproxy_tests::process::wait_until_async;
 
 const NS: &str = "splitproxy";
@@ -492,6 +492,29 @@ async fn two_brains_share_one_managed_certificate_through_rotations_and_a_takeov
         .position(|b| b.child.name() == holder)
         .unwrap_or_else(|| panic!("Lease held by {holder}"));
     let other_i = 1 - holder_i;
+    // The metrics say who writes and when the served certificate expires.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    for (i, b) in brains.iter().enumerate() {
+        let text = b.http_get("/metrics").unwrap().1;
+        let holds = metric(&text, "splitproxy_brain_tls_lease_holder");
+        assert_eq!(
+            holds,
+            Some(if i == holder_i { 1.0 } else { 0.0 }),
+            "{}",
+            b.child.name()
+        );
+        let expiry = metric(
+            &text,
+            "splitproxy_brain_tls_certificate_expiry_timestamp_seconds",
+        );
+        assert!(
+            expiry.is_some_and(|e| e > now && e <= now + 25.0),
+            "{expiry:?}"
+        );
+    }
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);
     let names = |list: Vec<String>| list.into_iter().collect::<BTreeSet<_>>();
     let secret_names = names(

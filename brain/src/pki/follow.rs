@@ -31,6 +31,13 @@ pub fn install(serving: &ServingCert, at: &ObjectRef, secret: &Secret, metrics: 
                 .as_ref()
                 .map(|l| crate::tls::identity_of(l.as_ref()))
                 .and_then(|id| id.expires);
+            if let Some(secs) =
+                expires.and_then(|t| t.duration_since(std::time::SystemTime::UNIX_EPOCH).ok())
+            {
+                metrics
+                    .tls_certificate_not_after
+                    .store(secs.as_secs(), Relaxed);
+            }
             tracing::info!(secret = %at, ?expires, "serving the Secret's certificate");
         }
         Err(e) => {

@@ -64,6 +64,7 @@ impl Pki {
     ) -> Pki {
         tracing::info!(secret = %config.secret, lease = %config.lease,
             configmap = %config.ca_configmap, %identity, "managing the serving certificate");
+        let metrics_for_writer = metrics.clone();
         tokio::spawn(follow::run(
             client.clone(),
             config.secret.clone(),
@@ -71,7 +72,7 @@ impl Pki {
             metrics,
         ));
         let (stop, stopped) = watch::channel(false);
-        let writer = tokio::spawn(write(client, config, identity, stopped));
+        let writer = tokio::spawn(write(client, config, identity, stopped, metrics_for_writer));
         Pki { stop, writer }
     }
 
@@ -90,11 +91,15 @@ async fn write(
     config: ManagedTls,
     identity: String,
     mut stopped: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
 ) {
     let mut elector = lease::Elector::new(client.clone(), config.lease.clone(), identity);
     let target = rotate::Target::new(client, config);
     loop {
         let holding = elector.round().await;
+        metrics
+            .tls_lease_holder
+            .store(u64::from(holding), std::sync::atomic::Ordering::Relaxed);
         let mut wait = if holding {
             lease::RENEW_INTERVAL
         } else {
@@ -126,4 +131,7 @@ async fn write(
         }
     }
     elector.release().await;
+    metrics
+        .tls_lease_holder
+        .store(0, std::sync::atomic::Ordering::Relaxed);
 }
