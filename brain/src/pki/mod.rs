@@ -105,8 +105,13 @@ async fn write(
         } else {
             lease::RETRY_INTERVAL
         };
-        for _ in 0..MAX_STEPS_PER_ROUND {
+        for step in 0.. {
             if !elector.holding() {
+                break;
+            }
+            if step == MAX_STEPS_PER_ROUND {
+                // More to do than a round allows (a step undone by a concurrent write?): soon.
+                wait = wait.min(RETRY_AFTER_ERROR);
                 break;
             }
             let now = SystemTime::now();

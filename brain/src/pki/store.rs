@@ -131,7 +131,7 @@ fn label() -> BTreeMap<String, String> {
     BTreeMap::from([(MANAGED_BY.0.to_string(), MANAGED_BY.1.to_string())])
 }
 
-/// The ConfigMap's `ca.crt`, if the ConfigMap exists (empty if it has no such key).
+/// The ConfigMap that publishes the bundle, if it exists ([`published_bundle`] reads it).
 pub async fn read_published(
     api: &Api<ConfigMap>,
     at: &ObjectRef,
