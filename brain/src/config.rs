@@ -34,6 +34,12 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
 pub const DEFAULT_API_STALENESS_BOUND_MS: u64 = 10_000;
 /// `--api-probe-interval-ms`' default.
 pub const DEFAULT_API_PROBE_INTERVAL_MS: u64 = 2_000;
+/// `--tls-server-name`'s default: the name actuators verify the brain's managed certificate for.
+pub const DEFAULT_TLS_SERVER_NAME: &str = "splitproxy-brain";
+/// `--tls-ca-validity`'s default: five years (365-day years), renewed after two thirds.
+pub const DEFAULT_TLS_CA_VALIDITY: Duration = Duration::from_secs(5 * 365 * 86_400);
+/// `--tls-cert-validity`'s default: 90 days, renewed after 60.
+pub const DEFAULT_TLS_CERT_VALIDITY: Duration = Duration::from_secs(90 * 86_400);
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -48,12 +54,40 @@ pub struct Args {
     /// gRPC listen address for actuators and operators.
     #[arg(long, default_value = "0.0.0.0:9443")]
     pub listen: SocketAddr,
-    /// Server certificate (PEM).
+    /// Server certificate (PEM), with `--tls-key`: a certificate someone else issues (cert-manager,
+    /// your own PKI). The alternative to `--tls-secret`.
     #[arg(long)]
-    pub tls_cert: PathBuf,
-    /// Server private key (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM), with `--tls-cert`.
     #[arg(long)]
-    pub tls_key: PathBuf,
+    pub tls_key: Option<PathBuf>,
+    /// `namespace/name` of a Secret in which the brain keeps a CA of its own and its serving
+    /// certificate (keys `tls.crt`, `tls.key`, `ca.crt`, `ca.key`), creating and rotating them;
+    /// every replica serves from it. The alternative to `--tls-cert` and `--tls-key`.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    pub tls_secret: Option<ObjectRef>,
+    /// `namespace/name` of the Lease through which one replica at a time writes the Secret and
+    /// the ConfigMap. Default: the Secret's namespace and name. Only with `--tls-secret`.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    pub tls_lease: Option<ObjectRef>,
+    /// `namespace/name` of the ConfigMap whose `ca.crt` the brain publishes its CA bundle in (the
+    /// current CA and, until it expires, the previous one), for actuators to verify it with.
+    /// Default: the Secret's namespace, name `<secret>-ca`. Only with `--tls-secret`.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    pub ca_configmap: Option<ObjectRef>,
+    /// Names of the managed serving certificate (DNS or IP SANs; the first is also its common
+    /// name); actuators verify the brain for one of them. Default: `splitproxy-brain`.
+    /// Comma-separated. Only with `--tls-secret`.
+    #[arg(long, value_delimiter = ',')]
+    pub tls_server_name: Vec<String>,
+    /// Lifetime of the managed CA (`90d`, `2160h`, `30m`, `45s`); a new one is made after two
+    /// thirds of it. Default: 1825d. Only with `--tls-secret`.
+    #[arg(long, value_parser = parse_duration)]
+    pub tls_ca_validity: Option<Duration>,
+    /// Lifetime of the managed serving certificate (never past its CA's); a new one is issued
+    /// after two thirds of it. Default: 90d. Only with `--tls-secret`.
+    #[arg(long, value_parser = parse_duration)]
+    pub tls_cert_validity: Option<Duration>,
     /// CA that signs client (actuator and operator) certificates (PEM). Optional: without it
     /// the brain asks for no client certificate and callers authenticate with bearer tokens
     /// (`--token-audience`); with it, a client certificate identifies its caller first.
@@ -179,8 +213,8 @@ pub struct BrainConfig {
     pub kubeconfig: Option<PathBuf>,
     /// `--listen`: the gRPC address.
     pub listen: SocketAddr,
-    /// The server's certificate and key, and the CA of its clients.
-    pub tls: TlsPaths,
+    /// Where the server's certificate and key come from, and the CA of its clients.
+    pub tls: TlsConfig,
     /// `--metrics-bind-address`.
     pub metrics_bind_address: SocketAddr,
     /// `--bound-address-file`.
@@ -248,20 +282,131 @@ impl Surface {
     }
 }
 
-/// The PEM files of the gRPC server's TLS, and whether callers must present a client
-/// certificate.
+/// The gRPC server's TLS: its own certificate and key, the CA of its clients, and whether
+/// callers must present a client certificate.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsPaths {
-    /// `--tls-cert`.
-    pub cert: PathBuf,
-    /// `--tls-key`.
-    pub key: PathBuf,
+pub struct TlsConfig {
+    /// Where the serving certificate and key come from.
+    pub serving: Serving,
     /// `--client-ca`: without it no client certificate is asked for.
     pub client_ca: Option<PathBuf>,
     /// Whether a caller may complete the handshake without a client certificate although
     /// `client_ca` is set: true when bearer tokens are enabled (`--token-audience` not empty),
     /// so token callers and certificate callers share the listener. Follows from the flags.
     pub client_cert_optional: bool,
+}
+
+/// Where the serving certificate and key come from: exactly one of the two.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Serving {
+    /// `--tls-cert` and `--tls-key`: PEM files someone else issues, reread when they change.
+    Files { cert: PathBuf, key: PathBuf },
+    /// `--tls-secret` and its companions: the brain's own CA and certificate ([`crate::pki`]).
+    Managed(ManagedTls),
+}
+
+/// The brain's own CA and serving certificate ([`crate::pki`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagedTls {
+    /// `--tls-secret`: the CA, its key and the serving certificate and key.
+    pub secret: ObjectRef,
+    /// `--tls-lease`: who may write the Secret and the ConfigMap.
+    pub lease: ObjectRef,
+    /// `--ca-configmap`: the published CA bundle (`ca.crt`).
+    pub ca_configmap: ObjectRef,
+    /// `--tls-server-name`: the serving certificate's names (never empty).
+    pub server_names: Vec<String>,
+    /// `--tls-ca-validity`.
+    pub ca_validity: Duration,
+    /// `--tls-cert-validity`.
+    pub cert_validity: Duration,
+}
+
+impl ManagedTls {
+    /// A Secret managed with the defaults: the Lease of the same name, the ConfigMap
+    /// `<secret>-ca`, the default server name and lifetimes.
+    pub fn with_defaults(secret: ObjectRef) -> ManagedTls {
+        ManagedTls {
+            lease: secret.clone(),
+            ca_configmap: ObjectRef {
+                namespace: secret.namespace.clone(),
+                name: format!("{}-ca", secret.name),
+            },
+            secret,
+            server_names: vec![DEFAULT_TLS_SERVER_NAME.to_string()],
+            ca_validity: DEFAULT_TLS_CA_VALIDITY,
+            cert_validity: DEFAULT_TLS_CERT_VALIDITY,
+        }
+    }
+}
+
+/// A namespaced object named on the command line as `namespace/name`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ObjectRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::str::FromStr for ObjectRef {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(ObjectRef {
+                    namespace: ns.to_string(),
+                    name: name.to_string(),
+                })
+            }
+            _ => Err(format!("{s:?} is not namespace/name")),
+        }
+    }
+}
+
+impl std::fmt::Display for ObjectRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A lifetime as certificates are usually given one: a whole number of seconds, minutes, hours
+/// or days (`45s`, `30m`, `2160h`, `90d`), more than zero.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (at, unit) = s
+        .char_indices()
+        .last()
+        .ok_or_else(|| "empty duration".to_string())?;
+    let seconds = match unit {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        'd' => 86_400,
+        _ => {
+            return Err(format!(
+                "{s:?}: give a unit, s, m, h or d (for example 90d)"
+            ));
+        }
+    };
+    let n: u64 = s[..at]
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number of s, m, h or d"))?;
+    match n.checked_mul(seconds) {
+        Some(0) => Err(format!("{s:?}: must be more than zero")),
+        Some(total) => Ok(Duration::from_secs(total)),
+        None => Err(format!("{s:?} is too long")),
+    }
+}
+
+/// A duration in the form [`parse_duration`] reads, in the largest unit that divides it (whole
+/// seconds; anything below a second is dropped, which certificates cannot express anyway).
+pub fn format_duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    for (unit, n) in [('d', 86_400), ('h', 3600), ('m', 60)] {
+        if secs > 0 && secs.is_multiple_of(n) {
+            return format!("{}{unit}", secs / n);
+        }
+    }
+    format!("{secs}s")
 }
 
 /// How the brain paces and sizes its work; the defaults are the flags' defaults.
@@ -303,6 +448,8 @@ pub enum ConfigError {
         "no way to authenticate callers: give --client-ca, or a non-empty --token-audience (the default)"
     )]
     NoAuthentication,
+    #[error("{0}")]
+    Tls(String),
 }
 
 impl TryFrom<Args> for BrainConfig {
@@ -319,6 +466,7 @@ impl TryFrom<Args> for BrainConfig {
             });
         let nodeport_addresses = NodePortAddresses::parse(&args.nodeport_addresses)
             .map_err(ConfigError::NodePortAddresses)?;
+        let serving = serving(&args)?;
         let tokens = crate::tokens::TokenSettings {
             audience: args.token_audience,
             node_service_account: args.node_service_account,
@@ -329,9 +477,8 @@ impl TryFrom<Args> for BrainConfig {
         Ok(BrainConfig {
             kubeconfig: args.kubeconfig,
             listen: args.listen,
-            tls: TlsPaths {
-                cert: args.tls_cert,
-                key: args.tls_key,
+            tls: TlsConfig {
+                serving,
                 client_ca: args.client_ca,
                 client_cert_optional: tokens.enabled(),
             },
@@ -373,6 +520,86 @@ impl TryFrom<Args> for BrainConfig {
     }
 }
 
+/// Where the serving certificate comes from: the files, or the managed Secret, never both.
+fn serving(args: &Args) -> Result<Serving, ConfigError> {
+    let tls = |m: &str| Err(ConfigError::Tls(m.to_string()));
+    match (&args.tls_cert, &args.tls_key, &args.tls_secret) {
+        (Some(cert), Some(key), None) => {
+            let managed_only = args.tls_lease.is_some()
+                || args.ca_configmap.is_some()
+                || !args.tls_server_name.is_empty()
+                || args.tls_ca_validity.is_some()
+                || args.tls_cert_validity.is_some();
+            if managed_only {
+                return tls(
+                    "--tls-lease, --ca-configmap, --tls-server-name, --tls-ca-validity and \
+                     --tls-cert-validity go with --tls-secret, not with --tls-cert/--tls-key",
+                );
+            }
+            Ok(Serving::Files {
+                cert: cert.clone(),
+                key: key.clone(),
+            })
+        }
+        (None, None, Some(secret)) => {
+            let mut managed = ManagedTls::with_defaults(secret.clone());
+            if let Some(lease) = &args.tls_lease {
+                managed.lease = lease.clone();
+            }
+            if let Some(cm) = &args.ca_configmap {
+                managed.ca_configmap = cm.clone();
+            }
+            if !args.tls_server_name.is_empty() {
+                if args.tls_server_name.iter().any(String::is_empty) {
+                    return tls("--tls-server-name: an empty name");
+                }
+                managed.server_names = args.tls_server_name.clone();
+            }
+            if let Some(v) = args.tls_ca_validity {
+                managed.ca_validity = v;
+            }
+            if let Some(v) = args.tls_cert_validity {
+                managed.cert_validity = v;
+            }
+            Ok(Serving::Managed(managed))
+        }
+        (_, _, Some(_)) => tls("give either --tls-secret or --tls-cert and --tls-key, not both"),
+        (Some(_), None, None) | (None, Some(_), None) => {
+            tls("--tls-cert and --tls-key go together")
+        }
+        (None, None, None) => tls("give --tls-cert and --tls-key, or --tls-secret"),
+    }
+}
+
+impl Serving {
+    /// The flags that give a brain this source of its certificate.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = Vec::new();
+        let mut flag = |name: &str, value: OsString| {
+            args.push(name.into());
+            args.push(value);
+        };
+        match self {
+            Serving::Files { cert, key } => {
+                flag("--tls-cert", cert.into());
+                flag("--tls-key", key.into());
+            }
+            Serving::Managed(m) => {
+                flag("--tls-secret", m.secret.to_string().into());
+                flag("--tls-lease", m.lease.to_string().into());
+                flag("--ca-configmap", m.ca_configmap.to_string().into());
+                flag("--tls-server-name", m.server_names.join(",").into());
+                flag("--tls-ca-validity", format_duration(m.ca_validity).into());
+                flag(
+                    "--tls-cert-validity",
+                    format_duration(m.cert_validity).into(),
+                );
+            }
+        }
+        args
+    }
+}
+
 impl BrainConfig {
     /// The command-line arguments (without the program name) that give a brain exactly this
     /// configuration. Paths stay `OsString`s, so any path survives.
@@ -386,8 +613,6 @@ impl BrainConfig {
             flag("--kubeconfig", k.into());
         }
         flag("--listen", self.listen.to_string().into());
-        flag("--tls-cert", self.tls.cert.clone().into());
-        flag("--tls-key", self.tls.key.clone().into());
         if let Some(ca) = &self.tls.client_ca {
             flag("--client-ca", ca.into());
         }
@@ -399,6 +624,7 @@ impl BrainConfig {
             flag("--bound-address-file", f.into());
         }
         flag("--log-format", self.log_format.clone().into());
+        args.extend(self.tls.serving.to_args());
         args.extend(self.rules.to_args().into_iter().map(OsString::from));
         args.extend(self.tuning.to_args().into_iter().map(OsString::from));
         args.extend(self.surface.to_args().into_iter().map(OsString::from));
@@ -509,9 +735,11 @@ mod tests {
         BrainConfig {
             kubeconfig: Some("/k/kubeconfig".into()),
             listen: "127.0.0.2:7443".parse().unwrap(),
-            tls: TlsPaths {
-                cert: "/k/cert.pem".into(),
-                key: "/k/key.pem".into(),
+            tls: TlsConfig {
+                serving: Serving::Files {
+                    cert: "/k/cert.pem".into(),
+                    key: "/k/key.pem".into(),
+                },
                 client_ca: Some("/k/ca.pem".into()),
                 client_cert_optional: true,
             },
@@ -561,6 +789,21 @@ mod tests {
         }
     }
 
+    /// [`everything_set`] with the managed certificate instead of files, every part of it
+    /// different from its default.
+    fn everything_set_managed() -> BrainConfig {
+        let mut config = everything_set();
+        config.tls.serving = Serving::Managed(ManagedTls {
+            secret: "sp/brain-tls".parse().unwrap(),
+            lease: "sp/brain-writer".parse().unwrap(),
+            ca_configmap: "other/brain-ca".parse().unwrap(),
+            server_names: vec!["brain.sp.svc".into(), "10.0.0.1".into()],
+            ca_validity: Duration::from_secs(400 * 86_400),
+            cert_validity: Duration::from_secs(90),
+        });
+        config
+    }
+
     #[test]
     fn flags_round_trip_through_the_typed_config() {
         let expected = everything_set();
@@ -603,9 +846,42 @@ mod tests {
         let rendered = expected.to_args();
         let again = parse(&rendered);
         assert_eq!(format!("{again:?}"), format!("{expected:?}"));
-        // Every flag the brain has is rendered: one added to `Args` but not to `to_args` fails.
+        // The same with the managed certificate, whose flags exclude the files': by hand (the
+        // other flags as rendered above), and config -> args -> config.
+        let managed = everything_set_managed();
+        let mut others = Vec::new();
+        let mut rest = rendered.iter();
+        while let Some(a) = rest.next() {
+            if a == "--tls-cert" || a == "--tls-key" {
+                rest.next();
+            } else {
+                others.push(a.clone());
+            }
+        }
+        let by_hand_tls = parse(
+            &[
+                others,
+                os(&[
+                    "--tls-secret=sp/brain-tls",
+                    "--tls-lease=sp/brain-writer",
+                    "--ca-configmap=other/brain-ca",
+                    "--tls-server-name=brain.sp.svc,10.0.0.1",
+                    "--tls-ca-validity=400d",
+                    "--tls-cert-validity=90s",
+                ]),
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            format!("{:?}", parse(&managed.to_args())),
+            format!("{managed:?}")
+        );
+        assert_eq!(format!("{by_hand_tls:?}"), format!("{managed:?}"));
+        // Every flag the brain has is rendered (by one of the two sources): one added to `Args`
+        // but not to `to_args` fails.
         let rendered: Vec<String> = rendered
             .iter()
+            .chain(&managed.to_args())
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
         for arg in Args::command().get_arguments() {
@@ -701,6 +977,91 @@ mod tests {
                 .is_err(),
                 "{bad}"
             );
+        }
+    }
+
+    #[test]
+    fn the_managed_certificate_has_defaults_and_excludes_the_files() {
+        let config = parse(&os(&["--tls-secret=kube-system/sp-tls", "--client-ca=a"]));
+        let Serving::Managed(m) = &config.tls.serving else {
+            panic!("{config:?}")
+        };
+        assert_eq!(m.secret.to_string(), "kube-system/sp-tls");
+        assert_eq!(m.lease.to_string(), "kube-system/sp-tls");
+        assert_eq!(m.ca_configmap.to_string(), "kube-system/sp-tls-ca");
+        assert_eq!(m.server_names, [DEFAULT_TLS_SERVER_NAME]);
+        assert_eq!(m.ca_validity, Duration::from_secs(1825 * 86_400));
+        assert_eq!(m.cert_validity, Duration::from_secs(90 * 86_400));
+        assert_eq!(
+            format!("{:?}", parse(&config.to_args())),
+            format!("{config:?}")
+        );
+        let refused = |args: &[&str]| {
+            let argv = std::iter::once("splitproxy-brain").chain(args.iter().copied());
+            match Args::try_parse_from(argv) {
+                Err(e) => e.to_string(),
+                Ok(args) => BrainConfig::try_from(args).unwrap_err().to_string(),
+            }
+        };
+        for (args, why) in [
+            (
+                &["--client-ca=a"][..],
+                "give --tls-cert and --tls-key, or --tls-secret",
+            ),
+            (&["--client-ca=a", "--tls-cert=c"], "go together"),
+            (
+                &[
+                    "--client-ca=a",
+                    "--tls-cert=c",
+                    "--tls-key=k",
+                    "--tls-secret=a/b",
+                ],
+                "not both",
+            ),
+            (
+                &[
+                    "--client-ca=a",
+                    "--tls-cert=c",
+                    "--tls-key=k",
+                    "--tls-cert-validity=1d",
+                ],
+                "go with --tls-secret",
+            ),
+            (
+                &["--client-ca=a", "--tls-secret=nonamespace"],
+                "namespace/name",
+            ),
+            (
+                &["--client-ca=a", "--tls-secret=a/b", "--tls-ca-validity=5y"],
+                "unit",
+            ),
+            (
+                &["--client-ca=a", "--tls-secret=a/b", "--tls-ca-validity=0d"],
+                "more than zero",
+            ),
+        ] {
+            let err = refused(args);
+            assert!(err.contains(why), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn durations_round_trip_in_their_largest_unit() {
+        for (text, secs) in [
+            ("45s", 45),
+            ("90m", 5400),
+            ("2160h", 90 * 86_400),
+            ("90d", 90 * 86_400),
+            ("1825d", 1825 * 86_400),
+        ] {
+            let d = parse_duration(text).unwrap();
+            assert_eq!(d, Duration::from_secs(secs), "{text}");
+            assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
+        }
+        assert_eq!(format_duration(Duration::from_secs(90 * 86_400)), "90d");
+        assert_eq!(format_duration(Duration::from_secs(61)), "61s");
+        for bad in ["", "d", "-1d", "1.5h", "10", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
     }
 

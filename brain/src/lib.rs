@@ -14,6 +14,7 @@ pub mod listener;
 pub mod metrics;
 pub mod objects;
 pub mod overlay;
+pub mod pki;
 pub mod podcert;
 pub mod rules;
 pub mod run;

@@ -43,6 +43,10 @@ pub struct Metrics {
     pub surface: crate::listener::SurfaceMetrics,
     /// Bearer tokens: TokenReviews, SubjectAccessReviews, the review cache.
     pub tokens: crate::tokens::TokenMetrics,
+    /// With a managed certificate (`crate::pki`): 1 while this replica holds the Lease.
+    pub tls_lease_holder: AtomicU64,
+    /// With a managed certificate: the served certificate's notAfter (Unix seconds; 0: none).
+    pub tls_certificate_not_after: AtomicU64,
 }
 
 /// Seconds, from 100 µs to about 100 s.
@@ -199,6 +203,18 @@ impl Metrics {
             "gauge",
             "1 while the last contact with the API server is older than --api-staleness-bound-ms: the brain is not ready and serves no node.",
             c(&self.stale),
+        );
+        one(
+            "splitproxy_brain_tls_lease_holder",
+            "gauge",
+            "1 while this replica holds the Lease of its managed certificate (--tls-secret) and so writes the Secret and the CA ConfigMap.",
+            c(&self.tls_lease_holder),
+        );
+        one(
+            "splitproxy_brain_tls_certificate_expiry_timestamp_seconds",
+            "gauge",
+            "With --tls-secret: when the served certificate expires (Unix seconds; 0 before there is one). Renewed after two thirds of its life.",
+            c(&self.tls_certificate_not_after),
         );
         one(
             "splitproxy_brain_watch_restarts_total",

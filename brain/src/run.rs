@@ -1,5 +1,6 @@
-//! Wires the brain together: API client, watches and index, gRPC server with mTLS, reflection
-//! and health, and the HTTP endpoints.
+//! Wires the brain together: API client, watches and index, gRPC server with mTLS (its
+//! certificate from files, or managed in a Secret by [`crate::pki`]), reflection and health, and
+//! the HTTP endpoints.
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -8,10 +9,11 @@ use splitproxy_proto::transport;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
-use crate::config::BrainConfig;
+use crate::config::{BrainConfig, Serving};
 use crate::fanout::Fanout;
 use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
+use crate::pki::{self, Pki};
 use crate::server::DataplaneService;
 use crate::{http, listener, tls, tokens, watch};
 
@@ -19,7 +21,7 @@ use crate::{http, listener, tls, tokens, watch};
 /// SIGINT.
 pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     // Fail fast on a bad kubeconfig; the watch thread builds its own clients on its runtime.
-    // This one (on the server's runtime) reviews bearer tokens.
+    // This one (on the server's runtime) reviews bearer tokens and keeps the brain's own TLS.
     let api = kube_client(config.kubeconfig.as_deref()).await?;
     let freshness = Freshness::new(config.tuning.api_staleness_bound);
     let metrics = Arc::new(Metrics::default());
@@ -134,18 +136,52 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
             })?;
     }
 
+    // The serving certificate: files, or the Secret this brain manages with the other replicas
+    // (not ready until it holds a certificate).
+    let (serving, pki) = match &config.tls.serving {
+        Serving::Files { cert, key } => (
+            tls::ServingSource::Files {
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+            None,
+        ),
+        Serving::Managed(managed) => {
+            let cert = Arc::new(tls::ServingCert::default());
+            let pki = Pki::start(
+                api.clone(),
+                managed.clone(),
+                pki::lease::identity(),
+                cert.clone(),
+                fanout.metrics.clone(),
+            );
+            (tls::ServingSource::Managed(cert), Some(pki))
+        }
+    };
+    let managed_cert = match &serving {
+        tls::ServingSource::Managed(cert) => Some(cert.clone()),
+        tls::ServingSource::Files { .. } => None,
+    };
+
     tokio::spawn({
         let fanout = fanout.clone();
         let freshness = freshness.clone();
         async move {
-            if let Err(e) = http::serve(metrics, fanout, freshness).await {
+            if let Err(e) = http::serve(metrics, fanout, freshness, managed_cert).await {
                 tracing::error!(error = %e, "metrics server failed");
             }
         }
     });
 
     let metrics = fanout.metrics.clone();
-    let tls = Arc::new(tls::ReloadingTls::new(config.tls.clone(), metrics.clone())?);
+    let tls = Arc::new(tls::ReloadingTls::new(
+        serving,
+        tls::ClientAuth {
+            ca: config.tls.client_ca.clone(),
+            optional: config.tls.client_cert_optional,
+        },
+        metrics.clone(),
+    )?);
     let groups = Arc::new(config.surface.groups.clone());
     let tokens = config.surface.tokens.enabled().then(|| {
         Arc::new(tokens::Authenticator::new(
@@ -184,6 +220,9 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         )
         .await
         .context("gRPC server")?;
+    if let Some(pki) = pki {
+        pki.stop().await;
+    }
     Ok(())
 }
 

@@ -4,21 +4,24 @@
 //! becomes an [`Identity`], from which [`crate::auth`] decides what the caller may do ("node
 //! scoped", docs/invariants.md).
 //!
-//! The files are read again when they change ([`ReloadingTls`]): a rotated server certificate,
-//! key or client CA is used for the next handshake without a restart, as the actuator does with
-//! its own certificate.
-use std::path::Path;
+//! The server's certificate and key come from one of two sources ([`ServingSource`]): PEM files that
+//! someone else issues, or the Secret in which the brain keeps a certificate of its own
+//! ([`ServingCert`], filled by [`crate::pki`]). Either way a rotated certificate is used for the
+//! next handshake without a restart ([`ReloadingTls`]: changed files are read again, and a
+//! certificate installed from the Secret is what the next handshake resolves), as the actuator
+//! does with its own certificate; so is a changed client CA file.
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::WebPkiClientVerifier;
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
 use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
 use crate::auth::{Credential, Identity};
-use crate::config::TlsPaths;
 use crate::metrics::Metrics;
 
 /// How often the files' metadata is looked at, at most (on a handshake).
@@ -51,24 +54,61 @@ fn pem_error(path: &Path, what: impl std::fmt::Display) -> TlsError {
     }
 }
 
-/// A rustls server configuration from the PEM files: the server's chain and key, client
-/// certificates verified against the client CA when there is one (required, unless bearer
-/// tokens are enabled: then a caller may also come without one), HTTP/2 by ALPN (gRPC clients
-/// such as grpc-go insist on it).
-pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(&paths.cert)?)
+/// Where the server's certificate chain and key come from.
+#[derive(Debug, Clone)]
+pub enum ServingSource {
+    /// PEM files (`--tls-cert`, `--tls-key`), read again when they change.
+    Files { cert: PathBuf, key: PathBuf },
+    /// The certificate last installed from the brain's Secret (`--tls-secret`), resolved at
+    /// every handshake.
+    Managed(Arc<ServingCert>),
+}
+
+/// Which client certificates the server asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientAuth {
+    /// `--client-ca`: the CA client certificates are verified against; without it no client
+    /// certificate is asked for.
+    pub ca: Option<PathBuf>,
+    /// Whether a caller may complete the handshake without one although `ca` is set (bearer
+    /// tokens are enabled).
+    pub optional: bool,
+}
+
+/// The files a server configuration is read from, besides a managed certificate.
+fn files<'a>(serving: &'a ServingSource, client: &'a ClientAuth) -> Vec<&'a Path> {
+    let mut files: Vec<&Path> = match serving {
+        ServingSource::Files { cert, key } => vec![cert, key],
+        ServingSource::Managed(_) => Vec::new(),
+    };
+    files.extend(client.ca.as_deref());
+    files
+}
+
+/// A chain (leaf first) from PEM; `origin` names it in errors.
+fn chain_from_pem(pem: &[u8], origin: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<_, _>>()
-        .map_err(|e| pem_error(&paths.cert, e))?;
+        .map_err(|e| pem_error(origin, e))?;
     if chain.is_empty() {
-        return Err(pem_error(&paths.cert, "no certificate"));
+        return Err(pem_error(origin, "no certificate"));
     }
-    let key =
-        PrivateKeyDer::from_pem_slice(&read(&paths.key)?).map_err(|e| pem_error(&paths.key, e))?;
+    Ok(chain)
+}
+
+/// A rustls server configuration: the server's chain and key (from the files, or resolved from
+/// the managed certificate at each handshake), client certificates verified against the client
+/// CA when there is one (required, unless bearer tokens are enabled: then a caller may also come
+/// without one), HTTP/2 by ALPN (gRPC clients such as grpc-go insist on it).
+pub fn server_config(
+    serving: &ServingSource,
+    client: &ClientAuth,
+) -> Result<ServerConfig, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(rustls::ALL_VERSIONS)
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    let builder = match &paths.client_ca {
+    let builder = match &client.ca {
         None => builder.with_no_client_auth(),
         Some(client_ca) => {
             let mut roots = rustls::RootCertStore::empty();
@@ -78,7 +118,7 @@ pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
             }
             let mut verifier =
                 WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
-            if paths.client_cert_optional {
+            if client.optional {
                 verifier = verifier.allow_unauthenticated();
             }
             let verifier = verifier
@@ -87,39 +127,101 @@ pub fn server_config(paths: &TlsPaths) -> Result<ServerConfig, TlsError> {
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut config = builder
-        .with_single_cert(chain, key)
-        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    let mut config = match serving {
+        ServingSource::Files { cert, key } => {
+            let chain = chain_from_pem(&read(cert)?, cert)?;
+            let key = PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| pem_error(key, e))?;
+            builder
+                .with_single_cert(chain, key)
+                .map_err(|e| TlsError::Rustls(e.to_string()))?
+        }
+        ServingSource::Managed(current) => builder.with_cert_resolver(current.clone()),
+    };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
+}
+
+/// The brain's own serving certificate, as last installed from its Secret by [`crate::pki`]:
+/// what every handshake is answered with. Until one is installed, handshakes fail and the brain
+/// is not ready (`/readyz`). A certificate that does not load is refused, and the previous one
+/// stays.
+#[derive(Default)]
+pub struct ServingCert {
+    current: RwLock<Option<Arc<CertifiedKey>>>,
+}
+
+impl std::fmt::Debug for ServingCert {
+    // Never the key: only whether there is a certificate.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServingCert")
+            .field("installed", &self.is_ready())
+            .finish()
+    }
+}
+
+impl ServingCert {
+    /// Installs a chain (leaf first) and its key, both PEM, for the next handshakes. Returns
+    /// whether the certificate changed (the same leaf again is a no-op). A chain whose key does
+    /// not match, or that does not parse, is an error and changes nothing.
+    pub fn install(&self, chain_pem: &[u8], key_pem: &[u8]) -> Result<bool, TlsError> {
+        let origin = Path::new("the Secret's tls.crt");
+        let chain = chain_from_pem(chain_pem, origin)?;
+        if self.leaf().as_ref() == chain.first() {
+            return Ok(false);
+        }
+        // The key's parse error is not shown: it could quote key material.
+        let key = PrivateKeyDer::from_pem_slice(key_pem)
+            .map_err(|_| pem_error(Path::new("the Secret's tls.key"), "not a PEM private key"))?;
+        let provider = rustls::crypto::ring::default_provider();
+        let certified = CertifiedKey::from_der(chain, key, &provider)
+            .map_err(|e| TlsError::Rustls(e.to_string()))?;
+        if let Ok(mut c) = self.current.write() {
+            *c = Some(Arc::new(certified));
+        }
+        Ok(true)
+    }
+
+    /// Whether a certificate is installed.
+    pub fn is_ready(&self) -> bool {
+        self.current.read().map(|c| c.is_some()).unwrap_or(false)
+    }
+
+    /// The leaf certificate served now.
+    pub fn leaf(&self) -> Option<CertificateDer<'static>> {
+        let current = self.current.read().ok()?;
+        current.as_ref()?.cert.first().cloned()
+    }
+}
+
+impl ResolvesServerCert for ServingCert {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.current.read().ok()?.clone()
+    }
 }
 
 /// What identifies one version of the files: each one's modification time and length.
 type Stamp = Vec<Option<(SystemTime, u64)>>;
 
-fn stamp(paths: &TlsPaths) -> Stamp {
-    [
-        Some(&paths.cert),
-        Some(&paths.key),
-        paths.client_ca.as_ref(),
-    ]
-    .into_iter()
-    .flatten()
-    // `metadata` follows symlinks: a Kubernetes Secret volume swaps a symlink.
-    .map(|p| {
-        std::fs::metadata(p)
-            .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len())))
-    })
-    .collect()
+fn stamp(files: &[&Path]) -> Stamp {
+    files
+        .iter()
+        // `metadata` follows symlinks: a Kubernetes Secret volume swaps a symlink.
+        .map(|p| {
+            std::fs::metadata(p)
+                .ok()
+                .and_then(|m| Some((m.modified().ok()?, m.len())))
+        })
+        .collect()
 }
 
 /// The server's TLS configuration, rebuilt from the files when they change. Each handshake asks
-/// for [`ReloadingTls::current`]; at most every [`RELOAD_CHECK`] that costs three `stat`s. A
+/// for [`ReloadingTls::current`]; at most every [`RELOAD_CHECK`] that costs a `stat` per file. A
 /// file caught mid-rewrite, or a new set that does not load, keeps the previous configuration
-/// (and is tried again at the next check).
+/// (and is tried again at the next check). A managed certificate needs no rebuild: the
+/// configuration resolves it at each handshake.
 pub struct ReloadingTls {
-    paths: TlsPaths,
+    serving: ServingSource,
+    client: ClientAuth,
     current: RwLock<(Arc<ServerConfig>, Stamp)>,
     checked: Mutex<Instant>,
     metrics: Arc<Metrics>,
@@ -127,11 +229,16 @@ pub struct ReloadingTls {
 
 impl ReloadingTls {
     /// Loads the files once; an error here fails the start.
-    pub fn new(paths: TlsPaths, metrics: Arc<Metrics>) -> Result<Self, TlsError> {
-        let st = stamp(&paths);
-        let config = Arc::new(server_config(&paths)?);
+    pub fn new(
+        serving: ServingSource,
+        client: ClientAuth,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, TlsError> {
+        let st = stamp(&files(&serving, &client));
+        let config = Arc::new(server_config(&serving, &client)?);
         Ok(ReloadingTls {
-            paths,
+            serving,
+            client,
             current: RwLock::new((config, st)),
             checked: Mutex::new(Instant::now()),
             metrics,
@@ -159,18 +266,18 @@ impl ReloadingTls {
     /// Rebuilds the configuration if a file changed since it was built; returns whether it did.
     pub fn reload_if_changed(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
-        let now = stamp(&self.paths);
+        let now = stamp(&files(&self.serving, &self.client));
         let changed = self.current.read().map(|c| c.1 != now).unwrap_or(true);
         if !changed {
             return false;
         }
-        match server_config(&self.paths) {
+        match server_config(&self.serving, &self.client) {
             Ok(config) => {
                 if let Ok(mut c) = self.current.write() {
                     *c = (Arc::new(config), now);
                 }
                 self.metrics.surface.tls_reloads.fetch_add(1, Relaxed);
-                tracing::info!(cert = %self.paths.cert.display(), "TLS files changed: reloaded");
+                tracing::info!(client_ca = ?self.client.ca, "TLS files changed: reloaded");
                 true
             }
             Err(e) => {
@@ -181,8 +288,9 @@ impl ReloadingTls {
         }
     }
 
-    pub fn paths(&self) -> &TlsPaths {
-        &self.paths
+    /// Where the serving certificate comes from.
+    pub fn serving(&self) -> &ServingSource {
+        &self.serving
     }
 }
 
@@ -287,7 +395,13 @@ mod tests {
     #[test]
     fn changed_files_are_reloaded_and_broken_ones_keep_the_last_good() {
         let dir = tempfile::tempdir().unwrap();
-        let paths = TlsPaths {
+        struct Paths {
+            cert: PathBuf,
+            key: PathBuf,
+            client_ca: Option<PathBuf>,
+            client_cert_optional: bool,
+        }
+        let paths = Paths {
             cert: dir.path().join("tls.crt"),
             key: dir.path().join("tls.key"),
             client_ca: Some(dir.path().join("ca.crt")),
@@ -302,7 +416,15 @@ mod tests {
         std::fs::write(paths.client_ca.as_ref().unwrap(), &ca.pem).unwrap();
         write("brain-a");
         let metrics = Arc::new(Metrics::default());
-        let tls = ReloadingTls::new(paths.clone(), metrics.clone()).unwrap();
+        let serving = ServingSource::Files {
+            cert: paths.cert.clone(),
+            key: paths.key.clone(),
+        };
+        let client = ClientAuth {
+            ca: paths.client_ca.clone(),
+            optional: paths.client_cert_optional,
+        };
+        let tls = ReloadingTls::new(serving, client, metrics.clone()).unwrap();
         let first = tls.current();
         assert!(!tls.reload_if_changed(), "nothing changed");
 
@@ -323,5 +445,37 @@ mod tests {
         use std::sync::atomic::Ordering::Relaxed;
         assert_eq!(metrics.surface.tls_reloads.load(Relaxed), 2);
         assert_eq!(metrics.surface.tls_reload_errors.load(Relaxed), 1);
+    }
+
+    /// A managed certificate is served from the next handshake on; one whose key does not
+    /// match, or that does not parse, is refused and the previous one stays.
+    #[test]
+    fn a_managed_certificate_is_installed_only_whole() {
+        let ca = ca("ca");
+        let serving = ServingCert::default();
+        assert!(!serving.is_ready());
+        let (cert, der, key) = leaf(&ca, "brain", &[]);
+        assert!(serving.install(cert.as_bytes(), key.as_bytes()).unwrap());
+        assert!(serving.is_ready());
+        assert_eq!(serving.leaf().unwrap().as_ref(), &der[..]);
+        assert!(
+            !serving.install(cert.as_bytes(), key.as_bytes()).unwrap(),
+            "the same certificate again changes nothing"
+        );
+        let (other, _, other_key) = leaf(&ca, "brain", &[]);
+        let err = serving
+            .install(other.as_bytes(), key.as_bytes())
+            .unwrap_err();
+        assert!(!err.to_string().contains("PRIVATE"), "{err}");
+        assert!(serving.install(b"", other_key.as_bytes()).is_err());
+        assert!(serving.install(other.as_bytes(), b"garbage").is_err());
+        assert_eq!(serving.leaf().unwrap().as_ref(), &der[..], "unchanged");
+        assert!(
+            serving
+                .install(other.as_bytes(), other_key.as_bytes())
+                .unwrap()
+        );
+        assert_ne!(serving.leaf().unwrap().as_ref(), &der[..]);
+        assert!(!format!("{serving:?}").contains("PRIVATE"));
     }
 }

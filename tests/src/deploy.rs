@@ -45,7 +45,7 @@ pub struct Brain {
 
 // The brain's own configuration types: tests build them directly, and the brain renders them to
 // its flags (`BrainConfig::to_args`), so nothing here describes a flag a second time.
-pub use splitproxy_brain::config::{BrainConfig, Surface, TlsPaths, Tuning};
+pub use splitproxy_brain::config::{BrainConfig, ManagedTls, Serving, Surface, TlsConfig, Tuning};
 pub use splitproxy_brain::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
 
 /// How a brain is started besides its certificates, addresses and API server, which
@@ -62,6 +62,10 @@ pub struct BrainOptions {
     pub surface: Surface,
     /// Flags a person wrote (lab.yaml's `brainArgs`), passed verbatim after the typed ones.
     pub extra_args: Vec<String>,
+    /// The brain manages its own CA and serving certificate in this Secret (`--tls-secret`)
+    /// instead of serving the certificate [`Brain::start`] writes; clients still present
+    /// certificates from the test's `Pki` (`--client-ca`).
+    pub managed_tls: Option<ManagedTls>,
 }
 
 impl Default for BrainOptions {
@@ -73,6 +77,7 @@ impl Default for BrainOptions {
             tuning: Tuning::default(),
             surface,
             extra_args: Vec::new(),
+            managed_tls: None,
         }
     }
 }
@@ -120,9 +125,14 @@ impl Brain {
         let config = BrainConfig {
             kubeconfig: Some(kubeconfig.to_path_buf()),
             listen,
-            tls: TlsPaths {
-                cert: tls.cert.clone(),
-                key: tls.key.clone(),
+            tls: TlsConfig {
+                serving: match &opts.managed_tls {
+                    Some(managed) => Serving::Managed(managed.clone()),
+                    None => Serving::Files {
+                        cert: tls.cert.clone(),
+                        key: tls.key.clone(),
+                    },
+                },
                 client_ca: Some(tls.ca.clone()),
                 client_cert_optional: opts.surface.tokens.enabled(),
             },
@@ -137,6 +147,8 @@ impl Brain {
         cmd.arg("brain")
             .args(config.to_args())
             .args(&opts.extra_args)
+            // Who the brain is to the Lease of a managed certificate: its name in the test.
+            .env("POD_NAME", name)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
