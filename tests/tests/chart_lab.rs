@@ -19,7 +19,6 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use splitproxy_proto::v1::{Hello, ListNodesRequest, SyncRequest, sync_request};
-use splitproxy_tests::deploy::metric;
 use splitproxy_tests::install::InstallOptions;
 use splitproxy_tests::lab::{Lab, LabOptions};
 use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
@@ -223,9 +222,9 @@ async fn the_installed_chart_serves_refuses_and_fails_over() {
 fn refused(lab: &Lab, brain: &str, reason: &str) -> f64 {
     let install = lab.install.as_ref().unwrap();
     let (_, text) = install.brain_http(brain, "/metrics").unwrap();
-    metric(
-        &text,
-        &format!("splitproxy_brain_refused_total{{reason=\"{reason}\"}}"),
-    )
-    .unwrap_or(0.0)
+    let series = format!("splitproxy_brain_refused_total{{reason=\"{reason}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
 }
