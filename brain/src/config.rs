@@ -93,6 +93,12 @@ pub struct Args {
     /// (`--token-audience`); with it, a client certificate identifies its caller first.
     #[arg(long)]
     pub client_ca: Option<PathBuf>,
+    /// Sign the PodCertificateRequests of this signer name (for example `splitproxy.io/node`)
+    /// with the brain's own CA, for the actuators of `--node-service-account`, and trust that CA
+    /// for client certificates (node certificates from the kubelet, mTLS as with files). Needs
+    /// `--tls-secret` and `--node-service-account`; not with `--client-ca`.
+    #[arg(long, value_name = "DOMAIN/PATH")]
+    pub pod_certificate_signer: Option<String>,
     /// Audience of the bearer tokens callers may send (gRPC metadata `authorization: Bearer
     /// <token>`), checked with TokenReview. Empty disables tokens (then `--client-ca` is
     /// required).
@@ -294,6 +300,9 @@ pub struct TlsConfig {
     /// `client_ca` is set: true when bearer tokens are enabled (`--token-audience` not empty),
     /// so token callers and certificate callers share the listener. Follows from the flags.
     pub client_cert_optional: bool,
+    /// `--pod-certificate-signer`: the brain signs the nodes' PodCertificateRequests with its own
+    /// CA and trusts that CA for client certificates.
+    pub pod_certificate_signer: Option<String>,
 }
 
 /// Where the serving certificate and key come from: exactly one of the two.
@@ -471,7 +480,26 @@ impl TryFrom<Args> for BrainConfig {
             audience: args.token_audience,
             node_service_account: args.node_service_account,
         };
-        if args.client_ca.is_none() && !tokens.enabled() {
+        if let Some(signer) = &args.pod_certificate_signer {
+            let fail = |m: String| Err(ConfigError::Tls(m));
+            if !matches!(serving, Serving::Managed(_)) {
+                return fail(
+                    "--pod-certificate-signer signs with the brain's own CA: it needs --tls-secret"
+                        .into(),
+                );
+            }
+            if args.client_ca.is_some() {
+                return fail("--pod-certificate-signer trusts the brain's own CA for client certificates: not with --client-ca".into());
+            }
+            if tokens.node_service_account.is_none() {
+                return fail("--pod-certificate-signer issues to the actuators' account: it needs --node-service-account".into());
+            }
+            if !valid_signer_name(signer) {
+                return fail(format!(
+                    "--pod-certificate-signer {signer:?}: a signer name is DOMAIN/PATH, and not kubernetes.io/..."
+                ));
+            }
+        } else if args.client_ca.is_none() && !tokens.enabled() {
             return Err(ConfigError::NoAuthentication);
         }
         Ok(BrainConfig {
@@ -481,6 +509,7 @@ impl TryFrom<Args> for BrainConfig {
                 serving,
                 client_ca: args.client_ca,
                 client_cert_optional: tokens.enabled(),
+                pod_certificate_signer: args.pod_certificate_signer,
             },
             metrics_bind_address: args.metrics_bind_address,
             bound_address_file: args.bound_address_file,
@@ -521,6 +550,24 @@ impl TryFrom<Args> for BrainConfig {
 }
 
 /// Where the serving certificate comes from: the files, or the managed Secret, never both.
+/// Whether `name` is a signer name the API server accepts for a PodCertificateRequest:
+/// `DOMAIN/PATH`, the domain a DNS name, not Kubernetes' own.
+fn valid_signer_name(name: &str) -> bool {
+    let Some((domain, path)) = name.split_once('/') else {
+        return false;
+    };
+    !domain.is_empty()
+        && !path.is_empty()
+        && domain != "kubernetes.io"
+        && !domain.ends_with(".kubernetes.io")
+        && domain
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && path
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._/".contains(&b))
+}
+
 fn serving(args: &Args) -> Result<Serving, ConfigError> {
     let tls = |m: &str| Err(ConfigError::Tls(m.to_string()));
     match (&args.tls_cert, &args.tls_key, &args.tls_secret) {
@@ -615,6 +662,9 @@ impl BrainConfig {
         flag("--listen", self.listen.to_string().into());
         if let Some(ca) = &self.tls.client_ca {
             flag("--client-ca", ca.into());
+        }
+        if let Some(signer) = &self.tls.pod_certificate_signer {
+            flag("--pod-certificate-signer", signer.into());
         }
         flag(
             "--metrics-bind-address",
@@ -742,6 +792,7 @@ mod tests {
                 },
                 client_ca: Some("/k/ca.pem".into()),
                 client_cert_optional: true,
+                pod_certificate_signer: None,
             },
             metrics_bind_address: "[::1]:9000".parse().unwrap(),
             bound_address_file: Some("/k/bound".into()),
@@ -802,6 +853,52 @@ mod tests {
             cert_validity: Duration::from_secs(90),
         });
         config
+    }
+
+    #[test]
+    fn the_pod_certificate_signer_round_trips_and_needs_its_own_ca() {
+        let mut config = everything_set_managed();
+        config.tls.client_ca = None;
+        config.tls.pod_certificate_signer = Some("splitproxy.io/node".into());
+        let again = parse(&config.to_args());
+        assert_eq!(format!("{again:?}"), format!("{config:?}"));
+        let base = [
+            "--tls-secret=sp/brain-tls",
+            "--node-service-account=sp/actuator",
+            "--pod-certificate-signer=splitproxy.io/node",
+        ];
+        let refused = |extra: &[&str], drop: &str| {
+            let mut flags: Vec<&str> = base
+                .iter()
+                .copied()
+                .filter(|f| !f.starts_with(drop))
+                .collect();
+            flags.extend_from_slice(extra);
+            let args = Args::try_parse_from(
+                std::iter::once("splitproxy-brain").chain(flags.iter().copied()),
+            )
+            .unwrap();
+            BrainConfig::try_from(args).err().map(|e| e.to_string())
+        };
+        assert_eq!(refused(&[], "--none"), None);
+        for (extra, drop, mention) in [
+            (
+                &["--tls-cert=/c", "--tls-key=/k"][..],
+                "--tls-secret",
+                "--tls-secret",
+            ),
+            (&["--client-ca=/ca"][..], "--none", "--client-ca"),
+            (&[][..], "--node-service-account", "--node-service-account"),
+            (
+                &["--pod-certificate-signer=kubernetes.io/x"][..],
+                "--pod-certificate-signer",
+                "DOMAIN/PATH",
+            ),
+        ] {
+            let err =
+                refused(extra, drop).unwrap_or_else(|| panic!("accepted {extra:?} without {drop}"));
+            assert!(err.contains(mention), "{err}");
+        }
     }
 
     #[test]
@@ -877,11 +974,15 @@ mod tests {
             format!("{managed:?}")
         );
         assert_eq!(format!("{by_hand_tls:?}"), format!("{managed:?}"));
-        // Every flag the brain has is rendered (by one of the two sources): one added to `Args`
-        // but not to `to_args` fails.
+        // Every flag the brain has is rendered (by one of the two sources, or with the pod
+        // certificate signer): one added to `Args` but not to `to_args` fails.
+        let mut signing = managed.clone();
+        signing.tls.client_ca = None;
+        signing.tls.pod_certificate_signer = Some("splitproxy.io/node".into());
         let rendered: Vec<String> = rendered
             .iter()
             .chain(&managed.to_args())
+            .chain(&signing.to_args())
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
         for arg in Args::command().get_arguments() {

@@ -47,6 +47,8 @@ pub struct Metrics {
     pub tls_lease_holder: AtomicU64,
     /// With a managed certificate: the served certificate's notAfter (Unix seconds; 0: none).
     pub tls_certificate_not_after: AtomicU64,
+    /// With `--pod-certificate-signer`: PodCertificateRequests answered, by outcome.
+    pod_certificates: Mutex<std::collections::BTreeMap<&'static str, u64>>,
 }
 
 /// Seconds, from 100 µs to about 100 s.
@@ -305,6 +307,16 @@ impl Metrics {
                 self.resumptions(kind)
             );
         }
+        out.push_str("# HELP splitproxy_brain_pod_certificates_total PodCertificateRequests of --pod-certificate-signer answered, by outcome: issued, denied, conflict (another replica answered), no_ca, error.\n");
+        out.push_str("# TYPE splitproxy_brain_pod_certificates_total counter\n");
+        if let Ok(counts) = self.pod_certificates.lock() {
+            for (outcome, n) in counts.iter() {
+                let _ = writeln!(
+                    out,
+                    "splitproxy_brain_pod_certificates_total{{outcome=\"{outcome}\"}} {n}"
+                );
+            }
+        }
         render_histogram(
             &mut out,
             &self.fanout,
@@ -335,6 +347,14 @@ pub struct Live {
     pub max_node_lag: Duration,
     pub nodes_lagging: usize,
     pub api_contact_age: Duration,
+}
+
+impl crate::podcert::Outcomes for Metrics {
+    fn pod_certificate(&self, outcome: &'static str) {
+        if let Ok(mut counts) = self.pod_certificates.lock() {
+            *counts.entry(outcome).or_default() += 1;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -138,6 +138,13 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
 
     // The serving certificate: files, or the Secret this brain manages with the other replicas
     // (not ready until it holds a certificate).
+    // With --pod-certificate-signer, the brain's own CA signs the nodes' certificates and
+    // verifies them.
+    let own_ca = config
+        .tls
+        .pod_certificate_signer
+        .as_ref()
+        .map(|_| Arc::new(pki::own_ca::OwnCa::new(config.tls.client_cert_optional)));
     let (serving, pki) = match &config.tls.serving {
         Serving::Files { cert, key } => (
             tls::ServingSource::Files {
@@ -153,6 +160,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                 managed.clone(),
                 pki::lease::identity(),
                 cert.clone(),
+                own_ca.clone(),
                 fanout.metrics.clone(),
             );
             (tls::ServingSource::Managed(cert), Some(pki))
@@ -179,9 +187,31 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         tls::ClientAuth {
             ca: config.tls.client_ca.clone(),
             optional: config.tls.client_cert_optional,
+            own: own_ca.clone(),
         },
         metrics.clone(),
     )?);
+    if let (Some(signer), Some(own), Some(account)) = (
+        &config.tls.pod_certificate_signer,
+        &own_ca,
+        &config.surface.tokens.node_service_account,
+    ) {
+        let signer = crate::podcert::Signer {
+            name: signer.clone(),
+            namespace: account.namespace.clone(),
+            policy: crate::podcert::Policy {
+                service_account: (account.namespace.clone(), account.name.clone()),
+                node_group: config.surface.groups.node.clone(),
+                max_lifetime: crate::podcert::MAX_LIFETIME,
+            },
+        };
+        tokio::spawn(crate::podcert::run(
+            api.clone(),
+            signer,
+            own.clone(),
+            metrics.clone(),
+        ));
+    }
     let groups = Arc::new(config.surface.groups.clone());
     let tokens = config.surface.tokens.enabled().then(|| {
         Arc::new(tokens::Authenticator::new(

@@ -65,7 +65,7 @@ pub enum ServingSource {
 }
 
 /// Which client certificates the server asks for.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ClientAuth {
     /// `--client-ca`: the CA client certificates are verified against; without it no client
     /// certificate is asked for.
@@ -73,6 +73,9 @@ pub struct ClientAuth {
     /// Whether a caller may complete the handshake without one although `ca` is set (bearer
     /// tokens are enabled).
     pub optional: bool,
+    /// The brain's own CA instead of `ca` (`--pod-certificate-signer`: the nodes' certificates
+    /// are the brain's), followed as the Secret changes.
+    pub own: Option<Arc<crate::pki::own_ca::OwnCa>>,
 }
 
 /// The files a server configuration is read from, besides a managed certificate.
@@ -108,9 +111,10 @@ pub fn server_config(
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(rustls::ALL_VERSIONS)
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    let builder = match &client.ca {
-        None => builder.with_no_client_auth(),
-        Some(client_ca) => {
+    let builder = match (&client.own, &client.ca) {
+        (Some(own), _) => builder.with_client_cert_verifier(own.clone()),
+        (None, None) => builder.with_no_client_auth(),
+        (None, Some(client_ca)) => {
             let mut roots = rustls::RootCertStore::empty();
             for ca in CertificateDer::pem_slice_iter(&read(client_ca)?) {
                 let ca = ca.map_err(|e| pem_error(client_ca, e))?;
@@ -423,6 +427,7 @@ mod tests {
         let client = ClientAuth {
             ca: paths.client_ca.clone(),
             optional: paths.client_cert_optional,
+            own: None,
         };
         let tls = ReloadingTls::new(serving, client, metrics.clone()).unwrap();
         let first = tls.current();

@@ -135,6 +135,7 @@ impl Brain {
                 },
                 client_ca: Some(tls.ca.clone()),
                 client_cert_optional: opts.surface.tokens.enabled(),
+                pod_certificate_signer: None,
             },
             metrics_bind_address: SocketAddr::from(([127, 0, 0, 1], 0)),
             bound_address_file: Some(bound.clone()),

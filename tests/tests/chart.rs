@@ -141,9 +141,34 @@ fn the_schema_and_the_checks_refuse_what_cannot_work() {
             "kubeProxyReplacement",
         ),
         (
-            "identity that is not there yet",
-            vec!["--set", "identity.mode=podCertificate"],
+            "an identity mode that does not exist",
+            vec!["--set", "identity.mode=spiffe"],
             "/identity/mode",
+        ),
+        (
+            "pod certificates where the API does not serve them",
+            vec!["--set", "identity.mode=podCertificate"],
+            "PodCertificateRequest",
+        ),
+        (
+            "pod certificates signed by a CA the brains do not hold",
+            vec![
+                "--set",
+                "identity.mode=podCertificate",
+                "--set",
+                "tls.source=existingSecret",
+                "--api-versions",
+                "certificates.k8s.io/v1/PodCertificateRequest",
+            ],
+            "needs tls.source=brain",
+        ),
+        (
+            "a signer name of Kubernetes' own",
+            vec![
+                "--set",
+                "identity.podCertificate.signerName=kubernetes.io/x",
+            ],
+            "signerName",
         ),
         (
             "client certificates with the brains' own CA",
@@ -253,9 +278,20 @@ fn rendered_command_lines_are_the_binaries_flags() {
     let values = everything_values();
     let everything = everything_args(&values);
     let everything: Vec<&str> = everything.iter().map(String::as_str).collect();
+    let pod_certificates = template(
+        "kube-system",
+        &[
+            "--set",
+            "identity.mode=podCertificate",
+            "--api-versions",
+            "certificates.k8s.io/v1/PodCertificateRequest",
+        ],
+    )
+    .unwrap();
     for (what, yaml) in [
         ("default", template("kube-system", &[]).unwrap()),
         ("everything", template("kube-system", &everything).unwrap()),
+        ("podCertificate", pod_certificates),
     ] {
         let brain = std::iter::once("splitproxy-brain".to_string())
             .chain(container_args(&yaml, "Deployment"));
@@ -267,6 +303,14 @@ fn rendered_command_lines_are_the_binaries_flags() {
         let args = splitproxy_actuator::config::Args::try_parse_from(actuator)
             .unwrap_or_else(|e| panic!("{what}: the actuator refuses the chart's flags: {e}"));
         let actuator = splitproxy_actuator::config::Config::try_from(args).unwrap();
+        if what == "podCertificate" {
+            assert_eq!(
+                brain.tls.pod_certificate_signer.as_deref(),
+                Some("splitproxy.io/node")
+            );
+            assert!(brain.tls.client_ca.is_none());
+            continue;
+        }
         if what == "default" {
             // Beside kube-proxy: only the labelled Services, off kube-proxy's ports.
             assert_eq!(brain.rules.service_proxy_name, "splitproxy");

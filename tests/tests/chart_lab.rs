@@ -18,6 +18,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use rustls::pki_types::pem::PemObject;
 use splitproxy_proto::v1::{Hello, ListNodesRequest, SyncRequest, sync_request};
 use splitproxy_tests::install::InstallOptions;
 use splitproxy_tests::lab::{Lab, LabOptions};
@@ -26,11 +27,17 @@ use tokio_stream::wrappers::ReceiverStream;
 
 const WEB: &str = "10.96.3.10";
 
-/// How a Sync stream opened with `token` as `node` ends or continues: `Ok` when an update
-/// arrived, the refusal otherwise.
-async fn open_sync(lab: &Lab, brain: &str, token: Option<&str>, node: &str) -> tonic::Code {
-    let install = lab.install.as_ref().unwrap();
-    let mut client = install.client_with_token(brain, token).await.unwrap();
+/// How a Sync stream on `client` as `node` ends or continues: `Ok` when an update arrived.
+async fn sync_outcome<T>(
+    mut client: splitproxy_proto::v1::dataplane_client::DataplaneClient<T>,
+    node: &str,
+) -> tonic::Code
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(SyncRequest {
         msg: Some(sync_request::Msg::Hello(Hello {
@@ -51,6 +58,14 @@ async fn open_sync(lab: &Lab, brain: &str, token: Option<&str>, node: &str) -> t
         Ok(Err(status)) => status.code(),
         Err(_) => tonic::Code::DeadlineExceeded,
     }
+}
+
+/// How a Sync stream opened with `token` as `node` ends or continues: `Ok` when an update
+/// arrived, the refusal otherwise.
+async fn open_sync(lab: &Lab, brain: &str, token: Option<&str>, node: &str) -> tonic::Code {
+    let install = lab.install.as_ref().unwrap();
+    let client = install.client_with_token(brain, token).await.unwrap();
+    sync_outcome(client, node).await
 }
 
 /// Which nodes each brain pod serves (connected), by pod.
@@ -227,4 +242,85 @@ fn refused(lab: &Lab, brain: &str, reason: &str) -> f64 {
         .find_map(|l| l.strip_prefix(&series))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// `identity.mode=podCertificate`: every actuator's kubelet asks for a certificate with the
+/// node's own credentials (a PodCertificateRequest), the brains issue one naming the node with
+/// their own CA, and the actuators connect with it (no token, no certificate made by the test).
+/// Traffic flows through a ClusterIP; a node's certificate claiming another node is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn pod_certificates_from_the_brains_identify_the_nodes() {
+    let began = Instant::now();
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_splitproxy-lab"));
+    let mut opts = LabOptions::new(exe);
+    opts.nodes = 2;
+    opts.install = Some(InstallOptions {
+        set: vec!["identity.mode=podCertificate".into()],
+        brains: 1,
+    });
+    let mut lab = Lab::start(opts)
+        .await
+        .expect("the chart installs with pod certificates and every actuator is ready");
+    eprintln!(
+        "[chart_lab] pod certificates: installed, every actuator ready: {:.1?}",
+        began.elapsed()
+    );
+    let install = lab.install.as_ref().unwrap();
+    assert_eq!(
+        install.brain_arg("--pod-certificate-signer").as_deref(),
+        Some("splitproxy.io/node")
+    );
+    let brain = install.pods_of("brain")[0].0.clone();
+    let actuators = install.pods_of("actuator");
+    for (pod, node) in &actuators {
+        let cert = install
+            .volume_file(pod, "node-certificate", "tls.crt")
+            .unwrap();
+        let der = rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        let identity = splitproxy_brain::tls::identity_of(der.as_ref());
+        assert!(
+            identity.names.contains(&format!("node-{node}")),
+            "{pod}: {identity:?}"
+        );
+        assert_eq!(identity.groups, vec!["splitproxy:nodes".to_string()]);
+    }
+    let (_, metrics) = install.brain_http(&brain, "/metrics").unwrap();
+    let issued = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("splitproxy_brain_pod_certificates_total{outcome=\"issued\"} ")
+        })
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(
+        issued >= actuators.len() as f64,
+        "issued {issued}:\n{metrics}"
+    );
+
+    let _client = web_service_with_client(&lab, "pc", WEB).await;
+    lab.wait_synced(Duration::from_secs(30)).await.unwrap();
+
+    // node-1's certificate opens node-1's stream, not node-0's.
+    let install = lab.install.as_ref().unwrap();
+    let node1 = &actuators.iter().find(|(_, n)| *n == 1).unwrap().0;
+    let own = install
+        .client_with_certificate_of(&brain, node1, "node-certificate")
+        .await
+        .unwrap();
+    assert_eq!(sync_outcome(own, "node-1").await, tonic::Code::Ok);
+    let before = refused(&lab, &brain, "other_node");
+    let other = install
+        .client_with_certificate_of(&brain, node1, "node-certificate")
+        .await
+        .unwrap();
+    assert_eq!(
+        sync_outcome(other, "node-0").await,
+        tonic::Code::PermissionDenied
+    );
+    assert!(refused(&lab, &brain, "other_node") > before);
+    lab.install = None;
+    eprintln!(
+        "[chart_lab] pod certificates: total {:.1?}",
+        began.elapsed()
+    );
 }

@@ -53,6 +53,7 @@ pub async fn run(
     client: kube::Client,
     at: ObjectRef,
     serving: Arc<ServingCert>,
+    own_ca: Option<Arc<super::own_ca::OwnCa>>,
     metrics: Arc<Metrics>,
 ) {
     let api: Api<Secret> = Api::namespaced(client, &at.namespace);
@@ -62,6 +63,11 @@ pub async fn run(
         match event {
             Ok(Event::Apply(secret) | Event::InitApply(secret)) => {
                 install(&serving, &at, &secret, &metrics);
+                if let Some(own) = &own_ca
+                    && own.update(&Material::of(&secret))
+                {
+                    tracing::info!(secret = %at, "trusting the Secret's CA bundle for node certificates");
+                }
             }
             // A deleted Secret: keep serving what we have; the holder writes a new one.
             Ok(_) => {}

@@ -26,6 +26,7 @@ pub mod follow;
 pub mod inspect;
 pub mod issue;
 pub mod lease;
+pub mod own_ca;
 pub mod plan;
 pub mod rotate;
 pub mod store;
@@ -60,6 +61,7 @@ impl Pki {
         config: ManagedTls,
         identity: String,
         serving: Arc<ServingCert>,
+        own_ca: Option<Arc<own_ca::OwnCa>>,
         metrics: Arc<Metrics>,
     ) -> Pki {
         tracing::info!(secret = %config.secret, lease = %config.lease,
@@ -69,6 +71,7 @@ impl Pki {
             client.clone(),
             config.secret.clone(),
             serving,
+            own_ca,
             metrics,
         ));
         let (stop, stopped) = watch::channel(false);

@@ -8,8 +8,7 @@
 //! Every replica watches the requests of its signer name in its namespace and answers those not
 //! answered yet; two replicas racing on one request are resolved by the API server (the loser's
 //! status update conflicts and is dropped), so no lease is needed. Denials are final (a
-//! `Denied` condition); the signer's own failures (no CA yet) are retried on the next event or
-//! relist. The decision itself is [`issue::decide`].
+//! `Denied` condition); the signer's own failures (no CA yet) are retried every second. The decision itself is [`issue::decide`].
 pub mod issue;
 
 use std::sync::Arc;
@@ -23,6 +22,10 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 
 pub use issue::{Ca, Decision, Policy};
+
+/// The longest pod certificate the brain issues (the API server's default maximum, and what
+/// its own `kubernetes.io` signers issue at most); a request may ask for less.
+pub const MAX_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 
 /// Where the signer's CA comes from (the brain's own CA, which may rotate).
 pub trait CaSource: Send + Sync {
@@ -58,22 +61,50 @@ pub async fn run(
         .default_backoff()
         .boxed();
     tracing::info!(signer = %signer.name, namespace = %signer.namespace, "answering PodCertificateRequests");
-    while let Some(event) = events.next().await {
-        let request = match event {
-            Ok(Event::Apply(r)) | Ok(Event::InitApply(r)) => r,
-            Ok(_) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "watching PodCertificateRequests");
-                continue;
+    // Requests that came before the CA (a fresh install: the kubelets ask while the first brain
+    // is still making it), or that failed: tried again every second until answered.
+    let mut pending: std::collections::BTreeSet<String> = Default::default();
+    let mut retry = tokio::time::interval(RETRY);
+    loop {
+        let request = tokio::select! {
+            event = events.next() => match event {
+                None => return,
+                Some(Ok(Event::Apply(r) | Event::InitApply(r))) => r,
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "watching PodCertificateRequests");
+                    continue;
+                }
+            },
+            _ = retry.tick(), if !pending.is_empty() => {
+                let Some(name) = pending.pop_first() else { continue };
+                match api.get_opt(&name).await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!(request = %name, error = %e, "reading a PodCertificateRequest again");
+                        pending.insert(name);
+                        continue;
+                    }
+                }
             }
         };
         if answered(&request) {
             continue;
         }
+        let name = request.metadata.name.clone().unwrap_or_default();
         let outcome = answer(&api, &signer, ca.as_ref(), request).await;
+        if matches!(outcome, "no_ca" | "error") && pending.len() < MAX_PENDING {
+            pending.insert(name);
+        }
         outcomes.pod_certificate(outcome);
     }
 }
+
+/// How often unanswered requests are tried again.
+const RETRY: Duration = Duration::from_secs(1);
+/// At most this many requests wait for a retry (one per node at a fresh install).
+const MAX_PENDING: usize = 100_000;
 
 /// Whether a request already has its answer (a chain, or a final condition).
 fn answered(request: &PodCertificateRequest) -> bool {
@@ -101,7 +132,7 @@ async fn answer(
     let name = request.metadata.name.clone().unwrap_or_default();
     let spec = request.spec.clone();
     let Some((cert_pem, key_pem)) = ca.signing_ca() else {
-        tracing::info!(request = %name, "no CA yet; answered on the next relist");
+        tracing::info!(request = %name, "no CA yet; trying again in a second");
         return "no_ca";
     };
     let req = issue::Request {

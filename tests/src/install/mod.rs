@@ -187,8 +187,31 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `helm template` of the chart with the lab's values and `set`: every document.
-pub fn render(set: &[String]) -> Result<Vec<DynamicObject>> {
+/// What the API server serves, as `helm install` sees it (`.Capabilities.APIVersions`): every
+/// `group/version` and `group/version/Kind`.
+pub async fn api_versions(client: &kube::Client) -> Result<Vec<String>> {
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .context("discovering the API server's resources")?;
+    let mut out = BTreeSet::new();
+    for group in discovery.groups() {
+        for (resource, _) in group.recommended_resources() {
+            let gv = if resource.group.is_empty() {
+                resource.version.clone()
+            } else {
+                format!("{}/{}", resource.group, resource.version)
+            };
+            out.insert(format!("{gv}/{}", resource.kind));
+            out.insert(gv);
+        }
+    }
+    Ok(out.into_iter().collect())
+}
+
+/// `helm template` of the chart with the lab's values and `set`, for a cluster serving
+/// `api_versions`: every document.
+pub fn render(set: &[String], api_versions: &[String]) -> Result<Vec<DynamicObject>> {
     let chart = crate::tools::workspace_root().join("charts/splitproxy");
     let mut cmd = Command::new(crate::tools::binary("helm")?);
     cmd.args(["template", RELEASE]).arg(&chart).args([
@@ -199,6 +222,9 @@ pub fn render(set: &[String]) -> Result<Vec<DynamicObject>> {
     ]);
     for s in set {
         cmd.args(["--set", s]);
+    }
+    for v in api_versions {
+        cmd.args(["--api-versions", v]);
     }
     let out = cmd.output().context("running helm template")?;
     if !out.status.success() {
@@ -249,8 +275,10 @@ impl Install {
             "logFormat=text".to_string(),
         ];
         set.extend(opts.set.iter().cloned());
-        let (hooks, objects): (Vec<_>, Vec<_>) = render(&set)?.into_iter().partition(is_hook);
         let client = cp.client();
+        let (hooks, objects): (Vec<_>, Vec<_>) = render(&set, &api_versions(&client).await?)?
+            .into_iter()
+            .partition(is_hook);
         crate::manifests::apply(&client, &yaml_of(&objects)?, NAMESPACE, false)
             .await
             .context("applying the rendered chart")?;

@@ -95,6 +95,46 @@ impl Install {
             >,
         >,
     > {
+        self.client_as(pod, token, None).await
+    }
+
+    /// A gRPC client of brain pod `pod` that presents the client certificate the kubelet gave
+    /// pod `holder` in its volume `volume` (files `tls.crt`, `tls.key`: a `podCertificate`
+    /// projection).
+    pub async fn client_with_certificate_of(
+        &self,
+        pod: &str,
+        holder: &str,
+        volume: &str,
+    ) -> Result<
+        splitproxy_proto::v1::dataplane_client::DataplaneClient<
+            tonic::service::interceptor::InterceptedService<
+                tonic::transport::Channel,
+                impl tonic::service::Interceptor + use<>,
+            >,
+        >,
+    > {
+        let dir = self.dir.join(holder).join("volumes").join(volume);
+        let identity = tonic::transport::Identity::from_pem(
+            std::fs::read(dir.join("tls.crt"))?,
+            std::fs::read(dir.join("tls.key"))?,
+        );
+        self.client_as(pod, None, Some(identity)).await
+    }
+
+    async fn client_as(
+        &self,
+        pod: &str,
+        token: Option<&str>,
+        identity: Option<tonic::transport::Identity>,
+    ) -> Result<
+        splitproxy_proto::v1::dataplane_client::DataplaneClient<
+            tonic::service::interceptor::InterceptedService<
+                tonic::transport::Channel,
+                impl tonic::service::Interceptor + use<>,
+            >,
+        >,
+    > {
         use tonic::transport::{Certificate, Channel, ClientTlsConfig};
         let addr = {
             let mut operator = self.operator.lock().await;
@@ -112,9 +152,12 @@ impl Install {
         let server_name = self
             .brain_arg("--tls-server-name")
             .unwrap_or_else(|| "splitproxy-brain".into());
-        let tls = ClientTlsConfig::new()
+        let mut tls = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(self.brain_ca().await?))
             .domain_name(server_name);
+        if let Some(identity) = identity {
+            tls = tls.identity(identity);
+        }
         let channel = Channel::from_shared(format!("https://{addr}"))?
             .tls_config(tls)?
             .connect_timeout(Duration::from_secs(5))
@@ -133,6 +176,12 @@ impl Install {
         )
         .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE);
         Ok(client)
+    }
+
+    /// A file the kubelet wrote into pod `pod`'s volume `volume`.
+    pub fn volume_file(&self, pod: &str, volume: &str, file: &str) -> Result<String> {
+        let path = self.dir.join(pod).join("volumes").join(volume).join(file);
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
     }
 
     /// The token the kubelet gave pod `pod` in its volume `volume` (file `token`).
