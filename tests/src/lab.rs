@@ -179,6 +179,8 @@ pub struct LabOptions {
     /// the chart's arguments, identity, RBAC and discovery. `brains` and `brain` are then
     /// ignored (the chart's values say what the brains do).
     pub install: Option<crate::install::InstallOptions>,
+    /// How long [`Lab::start`] waits for every actuator to be ready.
+    pub ready_timeout: Duration,
 }
 
 impl LabOptions {
@@ -209,6 +211,7 @@ impl LabOptions {
             },
             dir: None,
             install: None,
+            ready_timeout: Duration::from_secs(60),
         }
     }
 
@@ -416,7 +419,7 @@ impl Lab {
         } else {
             lab.start_processes()?;
         }
-        lab.wait_ready(Duration::from_secs(60))?;
+        lab.wait_ready_async(lab.opts.ready_timeout).await?;
         Ok(lab)
     }
 
@@ -614,6 +617,31 @@ impl Lab {
         crate::deploy::grpc_client(self.brain(i).grpc, &self.operator_tls).await
     }
 
+    /// [`Lab::wait_ready`] without blocking the runtime's thread: the lab's own tasks (the
+    /// chart install's controllers among them) keep running while it waits.
+    pub async fn wait_ready_async(&self, timeout: Duration) -> Result<()> {
+        let start = std::time::Instant::now();
+        let addr: SocketAddr = ACTUATOR_HEALTHZ.parse()?;
+        for i in 0..self.cluster.nodes().len() {
+            loop {
+                let ns = self.cluster.node(i).netns().handle();
+                let ready = tokio::task::spawn_blocking(move || {
+                    matches!(http_get_in(&ns, addr, "/readyz"), Ok((200, _)))
+                })
+                .await
+                .unwrap_or(false);
+                if ready {
+                    break;
+                }
+                if start.elapsed() > timeout {
+                    return Err(self.not_ready(i, timeout));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        Ok(())
+    }
+
     /// Waits until every actuator has applied a first update.
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         for i in 0..self.cluster.nodes().len() {
@@ -623,22 +651,27 @@ impl Lab {
                 matches!(http_get_in(ns, addr, "/readyz"), Ok((200, _)))
             });
             if ok.is_err() {
-                let node = self.cluster.node(i).name();
-                let log = match (&self.install, self.actuators.get(i)) {
-                    (Some(install), _) => install
-                        .pods_of("actuator")
-                        .into_iter()
-                        .filter(|(_, n)| *n == i)
-                        .map(|(pod, _)| install.log_tail(&pod, 40))
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                    (None, Some(a)) => a.log_tail(40),
-                    (None, None) => String::new(),
-                };
-                bail!("actuator {node} not ready after {timeout:?}:\n{log}");
+                return Err(self.not_ready(i, timeout));
             }
         }
         Ok(())
+    }
+
+    /// Node `i`'s actuator is not ready after `timeout`: the error, with its log.
+    fn not_ready(&self, i: usize, timeout: Duration) -> anyhow::Error {
+        let node = self.cluster.node(i).name();
+        let log = match (&self.install, self.actuators.get(i)) {
+            (Some(install), _) => install
+                .pods_of("actuator")
+                .into_iter()
+                .filter(|(_, n)| *n == i)
+                .map(|(pod, _)| install.log_tail(&pod, 40))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            (None, Some(a)) => a.log_tail(40),
+            (None, None) => String::new(),
+        };
+        anyhow::anyhow!("actuator {node} not ready after {timeout:?}:\n{log}")
     }
 
     /// Waits (bounded by `timeout`) until a brain reports every node connected and holding its

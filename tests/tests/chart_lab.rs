@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use splitproxy_proto::v1::{Hello, ListNodesRequest, SyncRequest, sync_request};
-use splitproxy_tests::install::InstallOptions;
+use splitproxy_tests::install::{InstallOptions, RbacEdit};
 use splitproxy_tests::lab::{Lab, LabOptions};
 use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
 use tokio_stream::wrappers::ReceiverStream;
@@ -257,6 +257,7 @@ async fn pod_certificates_from_the_brains_identify_the_nodes() {
     opts.install = Some(InstallOptions {
         set: vec!["identity.mode=podCertificate".into()],
         brains: 1,
+        ..Default::default()
     });
     let mut lab = Lab::start(opts)
         .await
@@ -323,4 +324,229 @@ async fn pod_certificates_from_the_brains_identify_the_nodes() {
         "[chart_lab] pod certificates: total {:.1?}",
         began.elapsed()
     );
+}
+
+/// One install of the chart with `edit` applied to its RBAC: whether it served (every actuator
+/// ready, an operator's ListNodes answered), and the first line of the brain's log in which the
+/// API server refused it something, if any. It stops as soon as such a line shows.
+async fn install_with(
+    set: &[&str],
+    edit: Option<RbacEdit>,
+    existing: Vec<serde_json::Value>,
+) -> (bool, Option<String>, PathBuf) {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_splitproxy-lab"));
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = LabOptions::new(exe);
+    opts.nodes = 1;
+    opts.external_clients.clear();
+    opts.dir = Some(dir.path().to_path_buf());
+    opts.ready_timeout = Duration::from_secs(30);
+    opts.install = Some(InstallOptions {
+        set: set.iter().map(|s| s.to_string()).collect(),
+        brains: 1,
+        rbac_edit: edit,
+        volume_timeout: Duration::from_secs(30),
+        existing,
+    });
+    let log = dir.path().join("install/splitproxy-brain-0.log");
+    let refusal = move || {
+        std::fs::read_to_string(&log).ok().and_then(|text| {
+            text.lines()
+                .find(|l| l.to_ascii_lowercase().contains("forbidden") || l.contains(" 403"))
+                .map(|l| l.chars().take(300).collect::<String>())
+        })
+    };
+    let mut run = tokio::spawn(async move {
+        let mut lab = match Lab::start(opts).await {
+            Ok(lab) => lab,
+            Err(e) => {
+                eprintln!("[chart_lab] the install did not serve: {e:#}");
+                return false;
+            }
+        };
+        let install = lab.install.as_ref().unwrap();
+        let brain = install.pods_of("brain")[0].0.clone();
+        let answered = match install.operator_client(&brain).await {
+            Ok(mut c) => c.list_nodes(ListNodesRequest {}).await.is_ok(),
+            Err(_) => false,
+        };
+        lab.install = None;
+        answered
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let served = loop {
+        tokio::select! {
+            done = &mut run => break done.unwrap_or(false),
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+        if refusal().is_some() || Instant::now() > deadline {
+            run.abort();
+            let _ = (&mut run).await;
+            break false;
+        }
+    };
+    let refused = refusal();
+    // Kept for a look when the variant proves nothing.
+    let kept = if refused.is_none() {
+        dir.keep()
+    } else {
+        dir.path().to_path_buf()
+    };
+    (served, refused, kept)
+}
+
+/// What an earlier installation left behind, which the brain must update rather than create:
+/// its Lease, held by a brain that stopped renewing it long ago; its CA ConfigMap, with a CA no
+/// longer in use; its Secret, with a certificate that expired.
+fn leftovers() -> Vec<serde_json::Value> {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["splitproxy-brain".to_string()]).unwrap();
+    params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let old = params.self_signed(&key).unwrap().pem();
+    vec![
+        serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "splitproxy-brain-tls", "namespace": "kube-system"},
+            "spec": {"holderIdentity": "a-brain-long-gone", "leaseDurationSeconds": 15,
+                     "acquireTime": "2020-01-01T00:00:00.000000Z",
+                     "renewTime": "2020-01-01T00:00:00.000000Z"},
+        }),
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "splitproxy-brain-ca", "namespace": "kube-system"},
+            "data": {"ca.crt": old},
+        }),
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": "splitproxy-brain-tls", "namespace": "kube-system"},
+            "data": {"tls.crt": b64(&old), "tls.key": b64(&key.serialize_pem())},
+        }),
+    ]
+}
+
+/// Every rule of the chart's identity and TLS RBAC, and every verb of a rule with several, is
+/// needed: with the chart's roles the brain serves and the API server refuses it nothing; without
+/// any one of them the API server refuses the brain something (its log shows it; most variants
+/// also stop serving: without `watch` on PodCertificateRequests the brain still answers them,
+/// from its relists). (The watch
+/// rules are tests/tests/chart.rs's.) Token identity and the brains' own TLS (the defaults), and
+/// pod certificates.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_charts_identity_rbac_is_all_needed() {
+    let began = Instant::now();
+    let pcr = "identity.mode=podCertificate";
+    let mut failures = Vec::new();
+    for set in [&[][..], &[pcr][..]] {
+        for existing in [Vec::new(), leftovers()] {
+            let upgrade = !existing.is_empty();
+            let (served, refused, _) = install_with(set, None, existing).await;
+            assert!(
+                served && refused.is_none(),
+                "{set:?} (over an earlier install: {upgrade}): with the chart's RBAC: served={served}, refused: {refused:?}"
+            );
+        }
+        // The identity rules: the brain's ClusterRole's rules other than the watches, and every
+        // rule of its namespaced Role.
+        let mut all: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+        all.extend([
+            "kubeProxy.mode=replace".to_string(),
+            "k8sServiceHost=127.0.0.1".to_string(),
+        ]);
+        let objects = splitproxy_tests::install::render(
+            &all,
+            &["certificates.k8s.io/v1/PodCertificateRequest".to_string()],
+        )
+        .unwrap();
+        let mut variants = Vec::new();
+        for o in &objects {
+            let kind = o.types.as_ref().map(|t| t.kind.clone()).unwrap_or_default();
+            let name = o.metadata.name.clone().unwrap_or_default();
+            if !(kind == "ClusterRole" || kind == "Role") || !name.contains("brain") {
+                continue;
+            }
+            for (i, rule) in o.data["rules"].as_array().unwrap().iter().enumerate() {
+                let verbs: Vec<String> = rule["verbs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_str().unwrap().to_string())
+                    .collect();
+                if verbs.iter().any(|v| v == "watch") && kind == "ClusterRole" {
+                    continue;
+                }
+                // In pod certificate mode, only the rules that mode adds.
+                let resource = rule["resources"][0].as_str().unwrap().to_string();
+                let pcr_rule = resource.contains("podcertificaterequests") || resource == "signers";
+                if set.is_empty() == pcr_rule {
+                    continue;
+                }
+                let edit = |verb: Option<String>| RbacEdit {
+                    kind: kind.clone(),
+                    name: name.clone(),
+                    rule: i,
+                    verb,
+                };
+                // Updating the named objects matters over an earlier install (a fresh one
+                // creates them): those variants run over its leftovers.
+                let updates = verbs.iter().any(|v| v == "update");
+                variants.push((
+                    format!("{kind} {name}: rule {resource}"),
+                    edit(None),
+                    updates,
+                ));
+                if verbs.len() > 1 {
+                    for v in &verbs {
+                        variants.push((
+                            format!("{kind} {name}: {v} on {resource}"),
+                            edit(Some(v.clone())),
+                            v == "update",
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(variants.len() >= 3, "{variants:?}");
+        // A few at a time; each ends as soon as the API server's refusal shows.
+        for batch in variants.chunks(6) {
+            let runs: Vec<_> = batch
+                .iter()
+                .map(|(what, edit, upgrade)| {
+                    let set = set.to_vec();
+                    let edit = edit.clone();
+                    let existing = if *upgrade { leftovers() } else { Vec::new() };
+                    let what = format!(
+                        "{what}{}",
+                        if *upgrade {
+                            " (over an earlier install)"
+                        } else {
+                            ""
+                        }
+                    );
+                    tokio::spawn(async move {
+                        let (served, refused, dir) = install_with(&set, Some(edit), existing).await;
+                        (what, served, refused, dir)
+                    })
+                })
+                .collect();
+            for run in runs {
+                let (what, served, refused, dir) = run.await.unwrap();
+                eprintln!(
+                    "[chart_lab] without {what}: served={served} refused={}",
+                    refused.is_some()
+                );
+                // The refusal must show: a variant that merely timed out proves nothing.
+                if refused.is_none() {
+                    failures.push(format!(
+                        "{set:?} without {what}: served={served}, and the API server refused nothing (logs: {})",
+                        dir.display()
+                    ));
+                }
+            }
+        }
+    }
+    eprintln!("[chart_lab] identity RBAC: {:.1?}", began.elapsed());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -198,8 +198,16 @@ impl Elector {
                 true
             }
             Err(e) => {
-                // A conflict: someone else wrote first. Decided again at the next round.
-                tracing::debug!(lease = %self.at, ?step, error = %e, "Lease not written");
+                // A conflict: someone else wrote first; decided again at the next round. Any
+                // other error (a refusal, an outage) is the operator's to see.
+                match &e {
+                    kube::Error::Api(status) if status.code == 409 => {
+                        tracing::debug!(lease = %self.at, ?step, error = %e, "Lease not written");
+                    }
+                    _ => {
+                        tracing::warn!(lease = %self.at, ?step, error = %e, "cannot write the Lease")
+                    }
+                }
                 if matches!(step, Step::Create | Step::TakeOver) {
                     self.renewed = None;
                 }

@@ -62,14 +62,22 @@ pub async fn run(
         .boxed();
     tracing::info!(signer = %signer.name, namespace = %signer.namespace, "answering PodCertificateRequests");
     // Requests that came before the CA (a fresh install: the kubelets ask while the first brain
-    // is still making it), or that failed: tried again every second until answered.
-    let mut pending: std::collections::BTreeSet<String> = Default::default();
+    // is still making it), or whose answer failed: tried again every second until answered, as
+    // last seen by the watch (no read of its own: the watch keeps them current).
+    let mut pending: std::collections::BTreeMap<String, PodCertificateRequest> = Default::default();
     let mut retry = tokio::time::interval(RETRY);
     loop {
         let request = tokio::select! {
             event = events.next() => match event {
                 None => return,
-                Some(Ok(Event::Apply(r) | Event::InitApply(r))) => r,
+                Some(Ok(Event::Apply(r) | Event::InitApply(r))) => {
+                    pending.remove(r.metadata.name.as_deref().unwrap_or_default());
+                    r
+                }
+                Some(Ok(Event::Delete(r))) => {
+                    pending.remove(r.metadata.name.as_deref().unwrap_or_default());
+                    continue;
+                }
                 Some(Ok(_)) => continue,
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "watching PodCertificateRequests");
@@ -77,25 +85,17 @@ pub async fn run(
                 }
             },
             _ = retry.tick(), if !pending.is_empty() => {
-                let Some(name) = pending.pop_first() else { continue };
-                match api.get_opt(&name).await {
-                    Ok(Some(r)) => r,
-                    Ok(None) => continue,
-                    Err(e) => {
-                        tracing::warn!(request = %name, error = %e, "reading a PodCertificateRequest again");
-                        pending.insert(name);
-                        continue;
-                    }
-                }
+                let Some((_, r)) = pending.pop_first() else { continue };
+                r
             }
         };
         if answered(&request) {
             continue;
         }
         let name = request.metadata.name.clone().unwrap_or_default();
-        let outcome = answer(&api, &signer, ca.as_ref(), request).await;
+        let outcome = answer(&api, &signer, ca.as_ref(), request.clone()).await;
         if matches!(outcome, "no_ca" | "error") && pending.len() < MAX_PENDING {
-            pending.insert(name);
+            pending.insert(name, request);
         }
         outcomes.pod_certificate(outcome);
     }
@@ -156,25 +156,22 @@ async fn answer(
     };
     let generation = request.metadata.generation;
     let (status, outcome) = match decision {
-        Decision::Issue(issued) => {
-            tracing::info!(request = %name, node = %spec.node_name, "issued a node certificate");
-            (
-                PodCertificateRequestStatus {
-                    certificate_chain: Some(issued.chain_pem),
-                    not_before: Some(time(issued.not_before)),
-                    not_after: Some(time(issued.not_after)),
-                    begin_refresh_at: Some(time(issued.begin_refresh_at)),
-                    conditions: Some(vec![condition(
-                        "Issued",
-                        "Issued",
-                        format!("a client certificate for node {}", spec.node_name),
-                        generation,
-                        now,
-                    )]),
-                },
-                "issued",
-            )
-        }
+        Decision::Issue(issued) => (
+            PodCertificateRequestStatus {
+                certificate_chain: Some(issued.chain_pem),
+                not_before: Some(time(issued.not_before)),
+                not_after: Some(time(issued.not_after)),
+                begin_refresh_at: Some(time(issued.begin_refresh_at)),
+                conditions: Some(vec![condition(
+                    "Issued",
+                    "Issued",
+                    format!("a client certificate for node {}", spec.node_name),
+                    generation,
+                    now,
+                )]),
+            },
+            "issued",
+        ),
         Decision::Deny { reason, message } => {
             tracing::warn!(request = %name, node = %spec.node_name, reason, %message, "denied a pod certificate");
             (
@@ -191,7 +188,12 @@ async fn answer(
         .replace_status(&name, &PostParams::default(), &request)
         .await
     {
-        Ok(_) => outcome,
+        Ok(_) => {
+            if outcome == "issued" {
+                tracing::info!(request = %name, node = %spec.node_name, "issued a node certificate");
+            }
+            outcome
+        }
         // Another replica answered first.
         Err(kube::Error::Api(e)) if e.code == 409 => "conflict",
         Err(e) => {

@@ -266,10 +266,20 @@ impl Install {
             .await
             .context("creating the PodCertificateRequest as the node")?;
         let name = created.metadata.name.clone().unwrap_or_default();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let deadline = tokio::time::Instant::now() + self.volume_timeout;
         let chain = loop {
-            let current = api.get(&name).await?;
-            let status = current.status.unwrap_or_default();
+            // The Node authorizer learns of a new request asynchronously: a read right after the
+            // create may be refused for a moment, so errors are retried until the deadline.
+            let status = match api.get(&name).await {
+                Ok(current) => current.status.unwrap_or_default(),
+                Err(e) if tokio::time::Instant::now() > deadline => {
+                    return Err(e).context("reading the PodCertificateRequest as the node");
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            };
             if let Some(chain) = status.certificate_chain.filter(|c| !c.is_empty()) {
                 break chain;
             }
@@ -287,7 +297,10 @@ impl Install {
                 );
             }
             if tokio::time::Instant::now() > deadline {
-                bail!("PodCertificateRequest {name} was not answered in 60 s");
+                bail!(
+                    "PodCertificateRequest {name} was not answered in {:?}",
+                    self.volume_timeout
+                );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
@@ -350,13 +363,16 @@ impl Install {
         dir: &Path,
     ) -> Result<()> {
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), NAMESPACE);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let deadline = tokio::time::Instant::now() + self.volume_timeout;
         let cm = loop {
             if let Some(cm) = api.get_opt(name).await? {
                 break cm;
             }
             if tokio::time::Instant::now() > deadline {
-                bail!("ConfigMap {name} did not appear in 60 s");
+                bail!(
+                    "ConfigMap {name} did not appear in {:?}",
+                    self.volume_timeout
+                );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         };

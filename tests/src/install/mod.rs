@@ -75,6 +75,58 @@ pub struct InstallOptions {
     pub set: Vec<String>,
     /// Brain replicas (`brain.replicas`), on the first nodes.
     pub brains: usize,
+    /// A rule (or one verb of it) taken out of one of the chart's roles before it is applied: a
+    /// test proves the chart's RBAC is all needed.
+    pub rbac_edit: Option<RbacEdit>,
+    /// How long a kubelet waits for what a pod needs (a ConfigMap, a pod certificate) before
+    /// the install fails.
+    pub volume_timeout: Duration,
+    /// Objects already in the cluster before the install (what an earlier installation left:
+    /// an expired Lease, an outdated CA ConfigMap), applied first.
+    pub existing: Vec<serde_json::Value>,
+}
+
+/// One rule, or one verb of it, removed from a Role or ClusterRole of the chart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RbacEdit {
+    /// `Role` or `ClusterRole`.
+    pub kind: String,
+    pub name: String,
+    /// The rule's index in the role.
+    pub rule: usize,
+    /// The verb removed; the whole rule when `None`.
+    pub verb: Option<String>,
+}
+
+impl RbacEdit {
+    /// Applies the edit to the rendered objects; false when the role or rule is not there.
+    fn apply(&self, objects: &mut [DynamicObject]) -> bool {
+        let Some(role) = objects.iter_mut().find(|o| {
+            kind(o) == self.kind && o.metadata.name.as_deref() == Some(self.name.as_str())
+        }) else {
+            return false;
+        };
+        let Some(rules) = role.data["rules"].as_array_mut() else {
+            return false;
+        };
+        if self.rule >= rules.len() {
+            return false;
+        }
+        match &self.verb {
+            None => {
+                rules.remove(self.rule);
+                true
+            }
+            Some(verb) => match rules[self.rule]["verbs"].as_array_mut() {
+                Some(verbs) => {
+                    let before = verbs.len();
+                    verbs.retain(|v| v.as_str() != Some(verb.as_str()));
+                    verbs.len() < before
+                }
+                None => false,
+            },
+        }
+    }
 }
 
 impl Default for InstallOptions {
@@ -82,6 +134,9 @@ impl Default for InstallOptions {
         InstallOptions {
             set: Vec::new(),
             brains: 2,
+            rbac_edit: None,
+            volume_timeout: Duration::from_secs(60),
+            existing: Vec::new(),
         }
     }
 }
@@ -143,7 +198,7 @@ impl InstallOptions {
         set.extend(self.set.iter().cloned());
         InstallOptions {
             set,
-            brains: self.brains,
+            ..self.clone()
         }
     }
 }
@@ -179,6 +234,8 @@ pub struct Install {
     _api_links: Vec<Forwarder>,
     controllers: Option<tokio::task::JoinHandle<()>>,
     kubernetes_service: (String, u16),
+    /// How long a kubelet waits for what a pod needs.
+    volume_timeout: Duration,
     /// The test's operator: its token and its links to brain pods.
     operator: tokio::sync::Mutex<Operator>,
 }
@@ -276,9 +333,25 @@ impl Install {
         ];
         set.extend(opts.set.iter().cloned());
         let client = cp.client();
-        let (hooks, objects): (Vec<_>, Vec<_>) = render(&set, &api_versions(&client).await?)?
+        if !opts.existing.is_empty() {
+            let yaml = opts
+                .existing
+                .iter()
+                .map(serde_yaml::to_string)
+                .collect::<Result<Vec<_>, _>>()?
+                .join("---\n");
+            crate::manifests::apply(&client, &yaml, NAMESPACE, false)
+                .await
+                .context("applying the objects that exist before the install")?;
+        }
+        let (hooks, mut objects): (Vec<_>, Vec<_>) = render(&set, &api_versions(&client).await?)?
             .into_iter()
             .partition(is_hook);
+        if let Some(edit) = &opts.rbac_edit
+            && !edit.apply(&mut objects)
+        {
+            bail!("the chart has no {edit:?} to remove");
+        }
         crate::manifests::apply(&client, &yaml_of(&objects)?, NAMESPACE, false)
             .await
             .context("applying the rendered chart")?;
@@ -339,6 +412,7 @@ impl Install {
             controllers: None,
             kubernetes_service,
             operator: Default::default(),
+            volume_timeout: opts.volume_timeout,
         };
         install.controllers = Some(install.spawn_controllers());
         // The brains first: with tls.source=brain the actuators' CA ConfigMap is theirs.
