@@ -3,7 +3,8 @@
 //! may call what"): TokenRequest tokens bound to Pod objects on Node objects, checked by the
 //! brain with TokenReview and SubjectAccessReview, with the brain running under exactly the RBAC
 //! it documents. The right node token gets its node's ruleset; a node token claiming another
-//! node, a token for another audience, a token of a deleted pod, a node-account token bound to
+//! node, an expired token, a token for another audience, a token of a deleted pod, a
+//! node-account token bound to
 //! no pod, another account's token and no credential at all are refused, each with a clear
 //! message, a log line and a count; an operator is one iff RBAC lets it get
 //! `splitproxy.io/introspection`, and a binding granted later takes effect within the negative
@@ -195,6 +196,45 @@ async fn reviewed(cp: &ControlPlane, token: &str) -> bool {
         .status
         .and_then(|s| s.authenticated)
         .unwrap_or(false)
+}
+
+/// `token` as the API server issued it, with its times moved into the past (`exp` an hour ago) or
+/// kept, and signed again with the API server's own service-account key (ES256, the same key
+/// id): exactly an expired token, or exactly the same token for the control case.
+fn resigned(cp: &ControlPlane, token: &str, expire: bool) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut parts = token.split('.');
+    let (header, payload) = (parts.next().unwrap(), parts.next().unwrap());
+    let mut claims: serde_json::Value =
+        serde_json::from_slice(&b64.decode(payload).unwrap()).unwrap();
+    if expire {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        claims["iat"] = json!(now - 7200);
+        claims["nbf"] = json!(now - 7200);
+        claims["exp"] = json!(now - 3600);
+        if claims["kubernetes.io"]["warnafter"].is_number() {
+            claims["kubernetes.io"]["warnafter"] = json!(now - 5400);
+        }
+    }
+    let input = format!(
+        "{header}.{}",
+        b64.encode(serde_json::to_vec(&claims).unwrap())
+    );
+    let pem = std::fs::read_to_string(cp.dir().join("pki/sa.key")).unwrap();
+    let der = rcgen::KeyPair::from_pem(&pem).unwrap().serialize_der();
+    let rng = ring::rand::SystemRandom::new();
+    let key = ring::signature::EcdsaKeyPair::from_pkcs8(
+        &ring::signature::ECDSA_P256_SHA256_FIXED_SIGNING,
+        &der,
+        &rng,
+    )
+    .unwrap();
+    let signature = key.sign(&rng, input.as_bytes()).unwrap();
+    format!("{input}.{}", b64.encode(signature.as_ref()))
 }
 
 /// Whether RBAC lets ServiceAccount `account` of [`NS`] do `verb` on `group/resource`.
@@ -401,8 +441,22 @@ async fn service_account_tokens_identify_nodes_and_operators_and_nothing_else() 
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
     assert!(status.message().contains("TokenReview"), "{status:?}");
 
-    // A token whose pod was deleted (what an expired token also gets: TokenReview refuses
-    // it). Never used before, so no review of it is cached.
+    // An expired token: node-0's own, its times an hour in the past, signed again with the API
+    // server's key. The same token signed again with its times unchanged is accepted, so the
+    // expiry is the only reason for the refusal.
+    assert!(reviewed(&cp, &resigned(&cp, &node0_token, false)).await);
+    let expired = resigned(&cp, &node0_token, true);
+    assert!(
+        !reviewed(&cp, &expired).await,
+        "an expired token is accepted"
+    );
+    let status =
+        refused(first_update(&mut client(&brain, None, Some(&expired)).await, "node-0").await);
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("not accepted"), "{status:?}");
+
+    // A token whose pod was deleted (TokenReview refuses it). Never used before, so no review of
+    // it is cached.
     let gone_token = token(&cp, NODE_SA, AUDIENCE, Some(&gone)).await;
     Api::<Pod>::namespaced(cp.client(), NS)
         .delete("actuator-gone", &DeleteParams::default().grace_period(0))
@@ -515,7 +569,7 @@ async fn service_account_tokens_identify_nodes_and_operators_and_nothing_else() 
         |reason: &str| labelled(&metrics, "splitproxy_brain_refused_total", "reason", reason);
     for (reason, at_least) in [
         ("other_node", 1.0),
-        ("bad_token", 3.0),
+        ("bad_token", 4.0),
         ("no_node_claim", 1.0),
         ("no_role", 2.0),
         ("no_identity", 2.0),
