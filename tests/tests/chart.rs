@@ -394,7 +394,8 @@ async fn rendered_chart_applies_to_the_api_server() {
         .unwrap();
     manifests::apply(
         &client,
-        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: splitproxy-everything\n",
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: splitproxy-everything\n---\n\
+         apiVersion: v1\nkind: Namespace\nmetadata:\n  name: monitoring-dashboards\n",
         "default",
         false,
     )

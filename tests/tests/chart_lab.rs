@@ -169,6 +169,32 @@ async fn the_installed_chart_serves_refuses_and_fails_over() {
     }
     eprintln!("[chart_lab] refusals checked: {:.1?}", began.elapsed());
 
+    // The dashboard's and the alerts' metrics are all exposed, under those names.
+    let mut exposed = install.brain_http(brain, "/metrics").unwrap().1;
+    for i in 0..3 {
+        exposed.push_str(&lab.actuator_metrics(i).unwrap());
+    }
+    let chart = splitproxy_tests::tools::workspace_root().join("charts/splitproxy");
+    let mut referenced = std::collections::BTreeSet::new();
+    for file in ["dashboards/splitproxy.json", "templates/monitoring.yaml"] {
+        let text = std::fs::read_to_string(chart.join(file)).unwrap();
+        referenced.extend(metric_names(&text));
+    }
+    assert!(referenced.len() >= 15, "{referenced:?}");
+    let missing: Vec<_> = referenced
+        .iter()
+        .filter(|name| {
+            // A series, or a declared family with no series yet (a counter by label).
+            let family = name.strip_suffix("_bucket").unwrap_or(name);
+            !exposed.lines().any(|l| {
+                l.strip_prefix(name.as_str())
+                    .is_some_and(|r| r.starts_with(['{', ' ']))
+                    || l.starts_with(&format!("# TYPE {family} "))
+            })
+        })
+        .collect();
+    assert!(missing.is_empty(), "not exposed: {missing:?}");
+
     // 3. helm test.
     let (passed, log) = install.helm_test(2).await.unwrap();
     assert!(passed, "helm test failed:\n{log}");
@@ -549,4 +575,36 @@ async fn the_charts_identity_rbac_is_all_needed() {
     }
     eprintln!("[chart_lab] identity RBAC: {:.1?}", began.elapsed());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The metric names (`splitproxy_...`, `kubeproxy_...`) a dashboard or alert text refers to.
+fn metric_names(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &text[i..];
+        let starts = (rest.starts_with("splitproxy_") || rest.starts_with("kubeproxy_"))
+            && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        if starts {
+            let len = rest
+                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(rest.len());
+            names.push(rest[..len].to_string());
+            i += len;
+        } else {
+            i += 1;
+        }
+    }
+    // Histograms are referred to by their series.
+    names
+        .into_iter()
+        .map(|n| {
+            if n.ends_with("_seconds") && text.contains(&format!("{n}_bucket")) {
+                format!("{n}_bucket")
+            } else {
+                n
+            }
+        })
+        .collect()
 }
