@@ -12,6 +12,7 @@ pub mod http;
 pub mod index;
 pub mod listener;
 pub mod metrics;
+pub mod node_watch;
 pub mod objects;
 pub mod overlay;
 pub mod pki;

@@ -8,8 +8,8 @@ use futures::Stream;
 use splitproxy_proto::frames::UpdateFrame;
 use splitproxy_proto::frames_server::dataplane_server::Dataplane;
 use splitproxy_proto::v1::{
-    GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeStatus,
-    SyncRequest, sync_request,
+    GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeEvent,
+    NodeStatus, SyncRequest, WatchNodesRequest, sync_request,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
@@ -20,6 +20,7 @@ use crate::auth::{self, Groups, Refusal, Roles};
 use crate::fanout::{Fanout, Next, Publication};
 use crate::freshness::Freshness;
 use crate::listener::{self, PeerInfo};
+use crate::node_watch;
 
 /// How long the brain waits for an ack before it gives up on the stream.
 const ACK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -112,10 +113,59 @@ fn bounded_ack(mut ack: splitproxy_proto::v1::Ack) -> splitproxy_proto::v1::Ack 
 }
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<UpdateFrame, Status>> + Send>>;
+type NodeEventStream = Pin<Box<dyn Stream<Item = Result<NodeEvent, Status>> + Send>>;
+
+impl DataplaneService {
+    /// Every node's status (only `only`'s, when given), sorted by name: what `ListNodes` shows
+    /// and `WatchNodes` compares.
+    fn node_statuses(&self, only: Option<&[String]>) -> Result<Vec<NodeStatus>, Status> {
+        self.fanout
+            .prune_disconnected(Instant::now(), NODE_STATE_GRACE);
+        let desired = self.fanout.publication();
+        let now = Instant::now();
+        let nodes = self
+            .fanout
+            .nodes
+            .lock()
+            .map_err(|_| Status::internal("poisoned"))?;
+        let mut out: Vec<NodeStatus> = nodes
+            .iter()
+            .filter(|(name, _)| only.is_none_or(|o| o.contains(name)))
+            .map(|(name, st)| NodeStatus {
+                node: name.clone(),
+                connected: st.connected,
+                desired_generation: st.generation,
+                acked_generation: st.acked_generation,
+                last_apply_duration: st.last_apply.and_then(|d| d.try_into().ok()),
+                last_error: st.last_error.clone(),
+                last_errno: st.last_errno,
+                last_refused_message: st.last_refused_message.clone(),
+                last_kernel_message: st.last_kernel_message.clone(),
+                drifts: st.drifts,
+                last_drift: st
+                    .last_drift
+                    .as_ref()
+                    .map(|d| d.summary.clone())
+                    .unwrap_or_default(),
+                last_drift_at: st.last_drift.as_ref().and_then(|d| d.detected_at),
+                last_drift_repaired: st.last_drift.as_ref().is_some_and(|d| d.repaired),
+                peer: st.peer.clone(),
+                in_sync: st
+                    .acked
+                    .as_ref()
+                    .is_some_and(|h| h.version == desired.version),
+                lag: self.fanout.lag(st, desired.version, now).try_into().ok(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.node.cmp(&b.node));
+        Ok(out)
+    }
+}
 
 #[tonic::async_trait]
 impl Dataplane for DataplaneService {
     type SyncStream = UpdateStream;
+    type WatchNodesStream = NodeEventStream;
 
     async fn sync(
         &self,
@@ -188,45 +238,8 @@ impl Dataplane for DataplaneService {
             Ok(only) => only.map(<[String]>::to_vec),
             Err(reason) => return Err(self.refuse(reason, &info, "ListNodes")),
         };
-        self.fanout
-            .prune_disconnected(Instant::now(), NODE_STATE_GRACE);
+        let out = self.node_statuses(only.as_deref())?;
         let desired = self.fanout.publication();
-        let now = Instant::now();
-        let nodes = self
-            .fanout
-            .nodes
-            .lock()
-            .map_err(|_| Status::internal("poisoned"))?;
-        let mut out: Vec<NodeStatus> = nodes
-            .iter()
-            .filter(|(name, _)| only.as_ref().is_none_or(|o| o.contains(name)))
-            .map(|(name, st)| NodeStatus {
-                node: name.clone(),
-                connected: st.connected,
-                desired_generation: st.generation,
-                acked_generation: st.acked_generation,
-                last_apply_duration: st.last_apply.and_then(|d| d.try_into().ok()),
-                last_error: st.last_error.clone(),
-                last_errno: st.last_errno,
-                last_refused_message: st.last_refused_message.clone(),
-                last_kernel_message: st.last_kernel_message.clone(),
-                drifts: st.drifts,
-                last_drift: st
-                    .last_drift
-                    .as_ref()
-                    .map(|d| d.summary.clone())
-                    .unwrap_or_default(),
-                last_drift_at: st.last_drift.as_ref().and_then(|d| d.detected_at),
-                last_drift_repaired: st.last_drift.as_ref().is_some_and(|d| d.repaired),
-                peer: st.peer.clone(),
-                in_sync: st
-                    .acked
-                    .as_ref()
-                    .is_some_and(|h| h.version == desired.version),
-                lag: self.fanout.lag(st, desired.version, now).try_into().ok(),
-            })
-            .collect();
-        out.sort_by(|a, b| a.node.cmp(&b.node));
         Ok(Response::new(ListNodesResponse {
             brain_epoch: self.fanout.epoch,
             synced: self.fanout.serving(),
@@ -235,6 +248,60 @@ impl Dataplane for DataplaneService {
             stale: !self.fanout.fresh(),
             api_contact_age: self.freshness.age().try_into().ok(),
         }))
+    }
+
+    async fn watch_nodes(
+        &self,
+        request: Request<WatchNodesRequest>,
+    ) -> Result<Response<Self::WatchNodesStream>, Status> {
+        let (info, roles) = self.caller(&request)?;
+        let only: Option<Vec<String>> = match roles.listable() {
+            Ok(only) => only.map(<[String]>::to_vec),
+            Err(reason) => return Err(self.refuse(reason, &info, "WatchNodes")),
+        };
+        let threshold = request
+            .get_ref()
+            .lag_threshold
+            .and_then(|d| Duration::try_from(d).ok())
+            .unwrap_or(node_watch::DEFAULT_LAG_THRESHOLD)
+            .max(node_watch::MIN_LAG_THRESHOLD);
+        let service = DataplaneService {
+            fanout: self.fanout.clone(),
+            groups: self.groups.clone(),
+            freshness: self.freshness.clone(),
+        };
+        let (tx, rx) = mpsc::channel(node_watch::BUFFER);
+        tokio::spawn(async move {
+            let mut seen = Default::default();
+            let mut first = true;
+            let epoch = service.fanout.epoch;
+            loop {
+                let statuses = match service.node_statuses(only.as_deref()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                };
+                let (events, next) = node_watch::changes(&seen, &statuses, threshold, first);
+                seen = next;
+                first = false;
+                for (kind, status) in events {
+                    // A watcher that stopped reading (or left) ends its own stream only.
+                    if tx
+                        .try_send(Ok(node_watch::event(kind, status, epoch)))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(node_watch::POLL) => {}
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn get_node_ruleset(

@@ -45,6 +45,7 @@ struct Recorder {
 #[tonic::async_trait]
 impl Dataplane for Recorder {
     type SyncStream = ReceiverStream<Result<Update, Status>>;
+    type WatchNodesStream = ReceiverStream<Result<splitproxy_proto::v1::NodeEvent, Status>>;
 
     async fn sync(
         &self,
@@ -90,6 +91,13 @@ impl Dataplane for Recorder {
         &self,
         _: Request<GetNodeRulesetRequest>,
     ) -> Result<Response<GetNodeRulesetResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+
+    async fn watch_nodes(
+        &self,
+        _: Request<splitproxy_proto::v1::WatchNodesRequest>,
+    ) -> Result<Response<Self::WatchNodesStream>, Status> {
         Err(Status::unimplemented("not in this test"))
     }
 }
