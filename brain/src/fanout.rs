@@ -171,6 +171,26 @@ struct Pending {
     waiting: HashSet<String>,
 }
 
+/// Ack latencies of one publication: whole milliseconds in power-of-two buckets (bucket `i`
+/// holds latencies below `2^i` ms), and the longest.
+#[derive(Debug, Clone, Default)]
+pub struct Rollout {
+    pub buckets: [u32; ROLLOUT_BUCKETS],
+    pub max: Duration,
+}
+
+/// Buckets of [`Rollout`]: up to 2^23 ms, about 2.3 hours.
+pub const ROLLOUT_BUCKETS: usize = 24;
+
+impl Rollout {
+    fn record(&mut self, took: Duration) {
+        let ms = took.as_millis().min(u128::from(u64::MAX)) as u64;
+        let i = (u64::BITS - ms.leading_zeros()) as usize;
+        self.buckets[i.min(ROLLOUT_BUCKETS - 1)] += 1;
+        self.max = self.max.max(took);
+    }
+}
+
 pub struct Fanout {
     pub epoch: u64,
     publication_tx: watch::Sender<Arc<Publication>>,
@@ -183,6 +203,9 @@ pub struct Fanout {
     /// unless a freshness monitor says otherwise.
     fresh_tx: watch::Sender<bool>,
     pending: Mutex<BTreeMap<u64, Pending>>,
+    /// How long each recent publication took to be acked by each node connected when it was
+    /// published (`GetService`'s rollout latency), the last [`CHANGE_LOG`] publications.
+    rollouts: Mutex<BTreeMap<u64, Rollout>>,
     /// Recent publications, for nodes that resume by content ([`Fanout::resume_point`]).
     history: History,
     pub nodes: Mutex<HashMap<String, NodeState>>,
@@ -215,6 +238,7 @@ impl Fanout {
             tails: Mutex::new(HashMap::new()),
             fresh_tx: watch::channel(true).0,
             pending: Mutex::new(BTreeMap::new()),
+            rollouts: Mutex::new(BTreeMap::new()),
             history: History::default(),
             nodes: Mutex::new(HashMap::new()),
             metrics,
@@ -487,6 +511,33 @@ impl Fanout {
     /// Trigger times and objects of the publications after `after` up to `upto`. Versions in
     /// the log are consecutive, so the range is found by arithmetic, not by a scan: this runs for
     /// every distinct update body.
+    /// The newest recent publication that folded in a change of one of `objects` (change-log
+    /// names, "Service ns/name"): its version, its first trigger time and every object it
+    /// changed. `None` when none of the recent ones did.
+    pub fn last_change_of(
+        &self,
+        objects: &[String],
+    ) -> Option<(u64, Option<prost_types::Timestamp>, Vec<String>)> {
+        let log = self.changes.lock().ok()?;
+        let c = log
+            .iter()
+            .rev()
+            .find(|c| c.objects.iter().any(|o| objects.contains(o)))?;
+        let at = c
+            .objects
+            .iter()
+            .zip(&c.trigger_times)
+            .find(|(o, _)| objects.contains(o))
+            .map(|(_, t)| *t);
+        Some((c.version, at, c.objects.clone()))
+    }
+
+    /// How long publication `version` took to be acked, by the nodes connected when it was
+    /// published (recorded for the recent ones).
+    pub fn rollout_latency(&self, version: u64) -> Option<Rollout> {
+        self.rollouts.lock().ok()?.get(&version).cloned()
+    }
+
     pub(crate) fn changes_between(
         &self,
         after: u64,
@@ -639,10 +690,23 @@ impl Fanout {
         };
         let upto = version.unwrap_or(u64::MAX);
         let mut done = Vec::new();
+        let mut acked = Vec::new();
         for (v, p) in pending.range_mut(..=upto) {
-            p.waiting.remove(node);
+            if p.waiting.remove(node) && version.is_some() {
+                acked.push((*v, p.published.elapsed()));
+            }
             if p.waiting.is_empty() {
                 done.push((*v, p.published.elapsed()));
+            }
+        }
+        if !acked.is_empty()
+            && let Ok(mut rollouts) = self.rollouts.lock()
+        {
+            for (v, took) in acked {
+                rollouts.entry(v).or_default().record(took);
+            }
+            while rollouts.len() > CHANGE_LOG {
+                rollouts.pop_first();
             }
         }
         for (v, took) in done {

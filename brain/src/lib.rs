@@ -20,6 +20,7 @@ pub mod podcert;
 pub mod rules;
 pub mod run;
 pub mod server;
+pub mod service_view;
 pub mod tls;
 pub mod tokens;
 pub mod watch;

@@ -88,6 +88,8 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
 
     // The watches and the index run on a runtime of their own, on their own thread: however
     // busy the fan-out to thousands of streams gets, watch events are taken in as they come.
+    // GetService asks the index through a channel.
+    let (queries, queries_rx) = tokio::sync::mpsc::channel(crate::service_view::QUERIES);
     {
         let fanout = fanout.clone();
         let freshness = freshness.clone();
@@ -129,6 +131,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                             streaming_lists: tuning.streaming_lists,
                             min_interval: tuning.min_publish_interval,
                             probe_interval: tuning.api_probe_interval,
+                            queries: Some(queries_rx),
                         },
                     )
                     .await;
@@ -225,6 +228,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         fanout,
         groups: groups.clone(),
         freshness,
+        queries: Some(queries),
     };
     // TLS is terminated by our own listener (handshake timeout, connection bounds, reloaded
     // files); tonic serves the established connections.

@@ -8,8 +8,9 @@ use futures::Stream;
 use splitproxy_proto::frames::UpdateFrame;
 use splitproxy_proto::frames_server::dataplane_server::Dataplane;
 use splitproxy_proto::v1::{
-    GetNodeRulesetRequest, GetNodeRulesetResponse, ListNodesRequest, ListNodesResponse, NodeEvent,
-    NodeStatus, SyncRequest, WatchNodesRequest, sync_request,
+    GetNodeRulesetRequest, GetNodeRulesetResponse, GetServiceRequest, GetServiceResponse,
+    ListNodesRequest, ListNodesResponse, NodeEvent, NodeStatus, SyncRequest, WatchNodesRequest,
+    sync_request,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
@@ -40,6 +41,8 @@ pub struct DataplaneService {
     /// The last contact with the API server, for ListNodes (the fan-out carries whether the
     /// brain is stale).
     pub freshness: Arc<Freshness>,
+    /// Where `GetService` asks the index (the watch task's); `None`: not available.
+    pub queries: Option<crate::service_view::Queries>,
 }
 
 impl DataplaneService {
@@ -269,6 +272,7 @@ impl Dataplane for DataplaneService {
             fanout: self.fanout.clone(),
             groups: self.groups.clone(),
             freshness: self.freshness.clone(),
+            queries: None,
         };
         let (tx, rx) = mpsc::channel(node_watch::BUFFER);
         tokio::spawn(async move {
@@ -302,6 +306,68 @@ impl Dataplane for DataplaneService {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_service(
+        &self,
+        request: Request<GetServiceRequest>,
+    ) -> Result<Response<GetServiceResponse>, Status> {
+        use crate::service_view::{self, ServiceQuery};
+        let (info, roles) = self.caller(&request)?;
+        if !roles.operator {
+            return Err(self.refuse(Refusal::NotAnOperator, &info, "GetService"));
+        }
+        let req = request.into_inner();
+        if req.namespace.is_empty() || req.name.is_empty() {
+            return Err(Status::invalid_argument("namespace and name are required"));
+        }
+        let key = crate::objects::ObjectKey::new(req.namespace.as_str(), req.name.as_str());
+        let queries = self
+            .queries
+            .as_ref()
+            .ok_or_else(|| Status::unavailable("this brain has no index to ask"))?;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let asked = queries.try_send(ServiceQuery {
+            key: key.clone(),
+            reply,
+        });
+        if asked.is_err() {
+            return Err(Status::unavailable("too many questions at once; try again"));
+        }
+        let view = tokio::time::timeout(Duration::from_secs(5), answer)
+            .await
+            .map_err(|_| Status::unavailable("the index did not answer in time"))?
+            .map_err(|_| Status::unavailable("the index is gone"))?
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no Service {key} that splitproxy serves (headless, ExternalName, another proxy's, or none)"
+                ))
+            })?;
+        let mut out = service_view::describe(&view, self.fanout.epoch);
+        let change = self.fanout.last_change_of(&view.object_names());
+        let version = change.as_ref().map(|c| c.0).unwrap_or(0);
+        if let Some((v, at, objects)) = change {
+            out.changed_version = v;
+            out.changed_at = at;
+            out.changed_objects = objects;
+            if let Some(r) = self.fanout.rollout_latency(v) {
+                out.latency = Some(service_view::latency(&r.buckets, r.max));
+            }
+        }
+        {
+            let nodes = self
+                .fanout
+                .nodes
+                .lock()
+                .map_err(|_| Status::internal("poisoned"))?;
+            out.nodes = nodes
+                .iter()
+                .map(|(name, st)| service_view::rollout(name, st, version))
+                .collect();
+        }
+        out.nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        out.summary = service_view::summary(&out.nodes);
+        Ok(Response::new(out))
     }
 
     async fn get_node_ruleset(

@@ -26,6 +26,7 @@ use crate::freshness::{Freshness, RESTART_AFTER_FAILED_PROBES};
 use crate::index::{Indexer, WatchEvent};
 use crate::metrics::Metrics;
 use crate::rules::RulesConfig;
+use crate::service_view::{ServiceQuery, ServiceView};
 
 /// The API server ends each watch request after this long and the watch resumes from where it
 /// was (no relist). kube-runtime also gives up on a watch silent for this long plus 5 s, so a
@@ -39,6 +40,8 @@ enum Input {
     Event(u64, WatchEvent),
     /// The probe's outcome: answered, or the error.
     Probe(Result<(), String>),
+    /// An operator's question about one Service (`GetService`).
+    Query(ServiceQuery),
 }
 
 /// How the watches run.
@@ -48,6 +51,8 @@ pub struct WatchOptions {
     pub min_interval: Duration,
     /// How often the API server is probed.
     pub probe_interval: Duration,
+    /// Questions about one Service (`GetService`), answered between events from the index.
+    pub queries: Option<mpsc::Receiver<ServiceQuery>>,
 }
 
 /// Watches Services, EndpointSlices, Nodes (and ServiceCIDRs) with clients built from
@@ -58,7 +63,7 @@ pub async fn run(
     config: RulesConfig,
     fanout: Arc<Fanout>,
     freshness: Arc<Freshness>,
-    options: WatchOptions,
+    mut options: WatchOptions,
 ) {
     let client = match Client::try_from(kube_config.clone()) {
         Ok(c) => c,
@@ -68,6 +73,16 @@ pub async fn run(
         }
     };
     let (tx, mut rx) = mpsc::channel(4096);
+    if let Some(mut queries) = options.queries.take() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while let Some(q) = queries.recv().await {
+                if tx.send(Input::Query(q)).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
     let mut wc = watcher::Config::default().timeout(WATCH_TIMEOUT_SECS);
     if options.streaming_lists {
         wc = wc.streaming_lists();
@@ -184,6 +199,14 @@ impl Runner {
                 }
                 self.failed_probes = 0;
                 self.freshness.contact();
+            }
+            Input::Query(q) => {
+                let index = self.indexer.index();
+                let view = index.service(&q.key).map(|info| ServiceView {
+                    info: info.clone(),
+                    slices: index.slices_of(&q.key).cloned().collect(),
+                });
+                let _ = q.reply.send(view);
             }
             Input::Probe(Err(e)) => {
                 self.failed_probes = self.failed_probes.saturating_add(1);

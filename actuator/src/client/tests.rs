@@ -100,6 +100,13 @@ impl Dataplane for Recorder {
     ) -> Result<Response<Self::WatchNodesStream>, Status> {
         Err(Status::unimplemented("not in this test"))
     }
+
+    async fn get_service(
+        &self,
+        _: Request<splitproxy_proto::v1::GetServiceRequest>,
+    ) -> Result<Response<splitproxy_proto::v1::GetServiceResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
 }
 
 /// A CA (written to `dir/ca.crt`) and a serving identity for `splitproxy-brain` from it.

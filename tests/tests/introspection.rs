@@ -1,4 +1,6 @@
-//! `WatchNodes` (issue #13, "which nodes are unhealthy, live?"): a lab with two nodes and a brain;
+//! The operators' questions beyond ListNodes (issue #13), in a lab with two nodes and a brain.
+//!
+//! `WatchNodes` ("which nodes are unhealthy, live?"):
 //! an operator's stream first reports both nodes as they are (INITIAL, connected and in sync),
 //! then an actuator stopped is reported DISCONNECTED and, started again, CONNECTED and IN_SYNC;
 //! plain grpcurl through reflection shows the same live view; a node's own certificate sees only
@@ -79,7 +81,7 @@ async fn watch_nodes_is_a_live_view_of_connections() {
         Duration::from_secs(10),
     )
     .await;
-    eprintln!("[watch_nodes] DISCONNECTED after {:.1?}", stopped.elapsed());
+    eprintln!("[introspection] DISCONNECTED after {:.1?}", stopped.elapsed());
     lab.start_actuator(1).unwrap();
     let kinds = until(&mut stream, "node-1", Kind::InSync, Duration::from_secs(20)).await;
     assert!(kinds.contains(&Kind::Connected), "{kinds:?}");
@@ -133,4 +135,95 @@ async fn watch_nodes_is_a_live_view_of_connections() {
             .is_err(),
         "node-0's watch shows another node"
     );
+}
+
+/// `GetService` (issue #13, "is my change live everywhere?"): a Service's ports and endpoints,
+/// the publication that carries its latest change, where each node stands with it, a summary
+/// line, and the change's rollout latency. A change made while one node is disconnected shows
+/// as applied on the other only; a node's certificate may not ask.
+#[tokio::test(flavor = "multi_thread")]
+async fn get_service_says_where_a_change_is_live() {
+    use splitproxy_proto::v1::GetServiceRequest;
+    use splitproxy_proto::v1::service_rollout::State;
+    use splitproxy_tests::fixtures::{Ep, docs, slice};
+
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_splitproxy-lab"));
+    let mut opts = LabOptions::new(exe);
+    opts.nodes = 2;
+    let mut lab = Lab::start(opts).await.unwrap();
+    let _client =
+        splitproxy_tests::traffic::web_service_with_client(&lab, "gs", "10.96.4.10").await;
+    lab.wait_synced(Duration::from_secs(20)).await.unwrap();
+    let ask = || GetServiceRequest {
+        namespace: "gs".into(),
+        name: "web".into(),
+    };
+    let mut op = lab.operator_client(0).await.unwrap();
+    let before = op.get_service(ask()).await.unwrap().into_inner();
+    assert_eq!(before.cluster_ips, ["10.96.4.10"]);
+    assert_eq!(before.ports.len(), 1, "{:?}", before.ports);
+    assert_eq!(
+        (before.ports[0].port, before.ports[0].protocol.as_str()),
+        (80, "TCP")
+    );
+    assert_eq!(before.endpoints.len(), 2, "{:?}", before.endpoints);
+    assert!(before.changed_version > 0, "{before:?}");
+    assert!(
+        before.changed_objects.iter().any(|o| o.contains("gs/web")),
+        "{:?}",
+        before.changed_objects
+    );
+    assert_eq!(before.summary, "applied on 2 of 2 nodes", "{before:?}");
+    let latency = before.latency.expect("the change's rollout latency");
+    assert!(latency.nodes >= 1 && latency.max.is_some(), "{latency:?}");
+
+    // node-1 away, one endpoint removed: live on node-0 only.
+    lab.stop_actuator(1).unwrap();
+    lab.apply_yaml(&docs(&[slice(
+        "gs",
+        "web-1",
+        "web",
+        &[("http", "TCP", 8080)],
+        &[Ep::new("10.244.0.21", "node-0", "web-a")],
+    )]))
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        let now = op.get_service(ask()).await.unwrap().into_inner();
+        let applied0 = now
+            .nodes
+            .iter()
+            .any(|n| n.node == "node-0" && n.state() == State::Applied);
+        if now.changed_version > before.changed_version && now.endpoints.len() == 1 && applied0 {
+            break now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the change never showed: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let node1 = after.nodes.iter().find(|n| n.node == "node-1").unwrap();
+    assert_eq!(node1.state(), State::Disconnected, "{after:?}");
+    assert_eq!(after.summary, "applied on 1 of 2 nodes, 1 disconnected");
+
+    // Unknown Services and nodes' certificates.
+    let err = op
+        .get_service(GetServiceRequest {
+            namespace: "gs".into(),
+            name: "nothing".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let node0 = lab
+        .pki
+        .write(lab.dir(), "node0-gs", &lab.pki.node_cert("node-0").unwrap())
+        .unwrap();
+    let mut node = splitproxy_tests::deploy::grpc_client(lab.brain(0).grpc, &node0)
+        .await
+        .unwrap();
+    let err = node.get_service(ask()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
 }

@@ -1,0 +1,207 @@
+//! `GetService`: one Service as the brain knows it, and whether its latest change is live on
+//! every node.
+//!
+//! The index belongs to the watch task alone ([`crate::watch`]); the gRPC side asks it for one
+//! Service through a [`ServiceQuery`] (a small channel, answered between watch events), so the
+//! watch path pays nothing until an operator asks. Where each node stands comes from the
+//! fan-out: the publication that carries the Service's latest change (from its change log) and
+//! each node's acked version, and the latency of that publication's acks
+//! ([`crate::fanout::Fanout::rollout_latency`]).
+use std::sync::Arc;
+use std::time::Duration;
+
+use splitproxy_proto::v1::{
+    EndpointView, GetServiceResponse, RolloutLatency, ServicePortView, ServiceRollout,
+    service_rollout::State,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::fanout::NodeState;
+use crate::objects::{ObjectKey, ServiceInfo, SliceInfo};
+
+/// How many questions may wait for the watch task.
+pub const QUERIES: usize = 64;
+
+/// A question for the watch task: this Service and its slices, now.
+pub struct ServiceQuery {
+    pub key: ObjectKey,
+    pub reply: oneshot::Sender<Option<ServiceView>>,
+}
+
+/// Where questions go.
+pub type Queries = mpsc::Sender<ServiceQuery>;
+
+/// One Service and its EndpointSlices, as the index holds them.
+#[derive(Debug, Clone)]
+pub struct ServiceView {
+    pub info: Arc<ServiceInfo>,
+    pub slices: Vec<Arc<SliceInfo>>,
+}
+
+impl ServiceView {
+    /// The change-log names of its objects (see the indexer): the Service and its slices.
+    pub fn object_names(&self) -> Vec<String> {
+        let mut names = vec![format!("Service {}", self.info.key)];
+        names.extend(
+            self.slices
+                .iter()
+                .map(|s| format!("EndpointSlice {}", s.key)),
+        );
+        names
+    }
+}
+
+/// The Service's own part of the answer: ports, addresses, policies, endpoints.
+pub fn describe(view: &ServiceView, brain_epoch: u64) -> GetServiceResponse {
+    let info = &view.info;
+    let ips = |v: &[std::net::IpAddr]| v.iter().map(ToString::to_string).collect();
+    let mut endpoints = Vec::new();
+    for slice in &view.slices {
+        for ep in &slice.endpoints {
+            endpoints.push(EndpointView {
+                addresses: ips(&ep.addresses),
+                ready: ep.ready,
+                serving: ep.serving,
+                terminating: ep.terminating,
+                node: ep.node_name.clone().unwrap_or_default(),
+                zone: ep.zone.clone().unwrap_or_default(),
+                slice: slice.key.name.to_string(),
+            });
+        }
+    }
+    GetServiceResponse {
+        namespace: info.key.namespace.to_string(),
+        name: info.key.name.to_string(),
+        cluster_ips: ips(&info.cluster_ips),
+        ports: info
+            .ports
+            .iter()
+            .map(|p| ServicePortView {
+                name: p.name.clone(),
+                protocol: format!("{:?}", p.protocol).to_uppercase(),
+                port: p.port.into(),
+                node_port: p.node_port.map(u32::from).unwrap_or(0),
+            })
+            .collect(),
+        external_ips: ips(&info.external_ips),
+        load_balancer_ips: ips(&info.load_balancer_ips),
+        external_traffic_policy_local: info.external_local,
+        internal_traffic_policy_local: info.internal_local,
+        affinity_timeout_seconds: info.affinity_timeout.unwrap_or(0),
+        endpoints,
+        brain_epoch,
+        ..Default::default()
+    }
+}
+
+/// Where `node` stands with the change published as `version`.
+pub fn rollout(node: &str, st: &NodeState, version: u64) -> ServiceRollout {
+    let acked = st.acked.as_ref().map(|h| h.version);
+    let state = if !st.connected {
+        State::Disconnected
+    } else if acked.is_some_and(|a| a >= version) {
+        State::Applied
+    } else if !st.last_error.is_empty() {
+        State::Nacked
+    } else {
+        State::Pending
+    };
+    ServiceRollout {
+        node: node.to_string(),
+        state: state as i32,
+        acked_version: acked.unwrap_or(0),
+        last_error: st.last_error.clone(),
+    }
+}
+
+/// "applied on 4998 of 5000 nodes, 2 pending": the rollout in one line.
+pub fn summary(nodes: &[ServiceRollout]) -> String {
+    let count = |s: State| nodes.iter().filter(|n| n.state() == s).count();
+    let mut line = format!(
+        "applied on {} of {} nodes",
+        count(State::Applied),
+        nodes.len()
+    );
+    for (state, word) in [
+        (State::Pending, "pending"),
+        (State::Nacked, "refused it"),
+        (State::Disconnected, "disconnected"),
+    ] {
+        let n = count(state);
+        if n > 0 {
+            line.push_str(&format!(", {n} {word}"));
+        }
+    }
+    line
+}
+
+/// Latency quantiles from a histogram of whole milliseconds in power-of-two buckets (bucket `i`
+/// holds latencies below `2^i` ms): each quantile is its bucket's upper bound, the maximum is
+/// exact.
+pub fn latency(buckets: &[u32], max: Duration) -> RolloutLatency {
+    let total: u32 = buckets.iter().sum();
+    let quantile = |q: f64| -> Option<prost_types::Duration> {
+        if total == 0 {
+            return None;
+        }
+        let want = ((total as f64) * q).ceil().max(1.0) as u32;
+        let mut seen = 0;
+        for (i, n) in buckets.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                let bound = Duration::from_millis(1u64 << i).min(max.max(Duration::from_millis(1)));
+                return bound.try_into().ok();
+            }
+        }
+        max.try_into().ok()
+    };
+    RolloutLatency {
+        nodes: total,
+        p50: quantile(0.5),
+        p90: quantile(0.9),
+        p99: quantile(0.99),
+        max: (total > 0).then(|| max.try_into().ok()).flatten(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_counts_every_state() {
+        let r = |node: &str, state: State| ServiceRollout {
+            node: node.into(),
+            state: state as i32,
+            ..Default::default()
+        };
+        let nodes = [
+            r("a", State::Applied),
+            r("b", State::Applied),
+            r("c", State::Pending),
+            r("d", State::Disconnected),
+        ];
+        assert_eq!(
+            summary(&nodes),
+            "applied on 2 of 4 nodes, 1 pending, 1 disconnected"
+        );
+    }
+
+    #[test]
+    fn quantiles_are_bucket_bounds_capped_by_the_maximum() {
+        // 90 acks under 2 ms, 9 under 64 ms, 1 at 300 ms.
+        let mut buckets = vec![0u32; 20];
+        buckets[1] = 90;
+        buckets[6] = 9;
+        buckets[9] = 1;
+        let l = latency(&buckets, Duration::from_millis(300));
+        let ms =
+            |d: Option<prost_types::Duration>| Duration::try_from(d.unwrap()).unwrap().as_millis();
+        assert_eq!(l.nodes, 100);
+        assert_eq!(ms(l.p50), 2);
+        assert_eq!(ms(l.p90), 2);
+        assert_eq!(ms(l.p99), 64);
+        assert_eq!(ms(l.max), 300);
+        assert_eq!(latency(&[0; 20], Duration::ZERO).p50, None);
+    }
+}
