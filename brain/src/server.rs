@@ -117,8 +117,64 @@ fn bounded_ack(mut ack: splitproxy_proto::v1::Ack) -> splitproxy_proto::v1::Ack 
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<UpdateFrame, Status>> + Send>>;
 type NodeEventStream = Pin<Box<dyn Stream<Item = Result<NodeEvent, Status>> + Send>>;
+type ServiceStream = Pin<Box<dyn Stream<Item = Result<GetServiceResponse, Status>> + Send>>;
 
 impl DataplaneService {
+    /// What `GetService` answers for `req`.
+    async fn service_status(&self, req: &GetServiceRequest) -> Result<GetServiceResponse, Status> {
+        use crate::service_view::{self, ServiceQuery};
+        if req.namespace.is_empty() || req.name.is_empty() {
+            return Err(Status::invalid_argument("namespace and name are required"));
+        }
+        let key = crate::objects::ObjectKey::new(req.namespace.as_str(), req.name.as_str());
+        let queries = self
+            .queries
+            .as_ref()
+            .ok_or_else(|| Status::unavailable("this brain has no index to ask"))?;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let asked = queries.try_send(ServiceQuery {
+            key: key.clone(),
+            reply,
+        });
+        if asked.is_err() {
+            return Err(Status::unavailable("too many questions at once; try again"));
+        }
+        let view = tokio::time::timeout(Duration::from_secs(5), answer)
+            .await
+            .map_err(|_| Status::unavailable("the index did not answer in time"))?
+            .map_err(|_| Status::unavailable("the index is gone"))?
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "no Service {key} that splitproxy serves (headless, ExternalName, another proxy's, or none)"
+                ))
+            })?;
+        let mut out = service_view::describe(&view, self.fanout.epoch);
+        let change = self.fanout.last_change_of(&view.object_names());
+        let version = change.as_ref().map(|c| c.0).unwrap_or(0);
+        if let Some((v, at, objects)) = change {
+            out.changed_version = v;
+            out.changed_at = at;
+            out.changed_objects = objects;
+            if let Some(r) = self.fanout.rollout_latency(v) {
+                out.latency = Some(service_view::latency(&r.buckets, r.max));
+            }
+        }
+        {
+            let nodes = self
+                .fanout
+                .nodes
+                .lock()
+                .map_err(|_| Status::internal("poisoned"))?;
+            out.nodes = nodes
+                .iter()
+                .map(|(name, st)| service_view::rollout(name, st, version))
+                .collect();
+        }
+        out.nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        out.summary = service_view::summary(&out.nodes);
+        Ok(out)
+    }
+
     /// Every node's status (only `only`'s, when given), sorted by name: what `ListNodes` shows
     /// and `WatchNodes` compares.
     fn node_statuses(&self, only: Option<&[String]>) -> Result<Vec<NodeStatus>, Status> {
@@ -169,6 +225,7 @@ impl DataplaneService {
 impl Dataplane for DataplaneService {
     type SyncStream = UpdateStream;
     type WatchNodesStream = NodeEventStream;
+    type WatchServiceStream = ServiceStream;
 
     async fn sync(
         &self,
@@ -312,62 +369,58 @@ impl Dataplane for DataplaneService {
         &self,
         request: Request<GetServiceRequest>,
     ) -> Result<Response<GetServiceResponse>, Status> {
-        use crate::service_view::{self, ServiceQuery};
         let (info, roles) = self.caller(&request)?;
         if !roles.operator {
             return Err(self.refuse(Refusal::NotAnOperator, &info, "GetService"));
         }
+        Ok(Response::new(self.service_status(request.get_ref()).await?))
+    }
+
+    async fn watch_service(
+        &self,
+        request: Request<GetServiceRequest>,
+    ) -> Result<Response<Self::WatchServiceStream>, Status> {
+        let (info, roles) = self.caller(&request)?;
+        if !roles.operator {
+            return Err(self.refuse(Refusal::NotAnOperator, &info, "WatchService"));
+        }
         let req = request.into_inner();
-        if req.namespace.is_empty() || req.name.is_empty() {
-            return Err(Status::invalid_argument("namespace and name are required"));
-        }
-        let key = crate::objects::ObjectKey::new(req.namespace.as_str(), req.name.as_str());
-        let queries = self
-            .queries
-            .as_ref()
-            .ok_or_else(|| Status::unavailable("this brain has no index to ask"))?;
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let asked = queries.try_send(ServiceQuery {
-            key: key.clone(),
-            reply,
-        });
-        if asked.is_err() {
-            return Err(Status::unavailable("too many questions at once; try again"));
-        }
-        let view = tokio::time::timeout(Duration::from_secs(5), answer)
-            .await
-            .map_err(|_| Status::unavailable("the index did not answer in time"))?
-            .map_err(|_| Status::unavailable("the index is gone"))?
-            .ok_or_else(|| {
-                Status::not_found(format!(
-                    "no Service {key} that splitproxy serves (headless, ExternalName, another proxy's, or none)"
-                ))
-            })?;
-        let mut out = service_view::describe(&view, self.fanout.epoch);
-        let change = self.fanout.last_change_of(&view.object_names());
-        let version = change.as_ref().map(|c| c.0).unwrap_or(0);
-        if let Some((v, at, objects)) = change {
-            out.changed_version = v;
-            out.changed_at = at;
-            out.changed_objects = objects;
-            if let Some(r) = self.fanout.rollout_latency(v) {
-                out.latency = Some(service_view::latency(&r.buckets, r.max));
+        // The first answer, or the error, before the stream starts.
+        let first = self.service_status(&req).await?;
+        let service = DataplaneService {
+            fanout: self.fanout.clone(),
+            groups: self.groups.clone(),
+            freshness: self.freshness.clone(),
+            queries: self.queries.clone(),
+        };
+        let (tx, rx) = mpsc::channel(node_watch::BUFFER);
+        tokio::spawn(async move {
+            let mut last = first.clone();
+            if tx.send(Ok(first)).await.is_err() {
+                return;
             }
-        }
-        {
-            let nodes = self
-                .fanout
-                .nodes
-                .lock()
-                .map_err(|_| Status::internal("poisoned"))?;
-            out.nodes = nodes
-                .iter()
-                .map(|(name, st)| service_view::rollout(name, st, version))
-                .collect();
-        }
-        out.nodes.sort_by(|a, b| a.node.cmp(&b.node));
-        out.summary = service_view::summary(&out.nodes);
-        Ok(Response::new(out))
+            loop {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(node_watch::POLL) => {}
+                }
+                let now = match service.service_status(&req).await {
+                    Ok(now) => now,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                };
+                // The latency moves with every ack: it is news only with another change.
+                let mut same = now.clone();
+                same.latency = last.latency;
+                if same != last && tx.try_send(Ok(now.clone())).is_err() {
+                    return;
+                }
+                last = now;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn get_node_ruleset(

@@ -81,7 +81,10 @@ async fn watch_nodes_is_a_live_view_of_connections() {
         Duration::from_secs(10),
     )
     .await;
-    eprintln!("[introspection] DISCONNECTED after {:.1?}", stopped.elapsed());
+    eprintln!(
+        "[introspection] DISCONNECTED after {:.1?}",
+        stopped.elapsed()
+    );
     lab.start_actuator(1).unwrap();
     let kinds = until(&mut stream, "node-1", Kind::InSync, Duration::from_secs(20)).await;
     assert!(kinds.contains(&Kind::Connected), "{kinds:?}");
@@ -177,6 +180,15 @@ async fn get_service_says_where_a_change_is_live() {
     let latency = before.latency.expect("the change's rollout latency");
     assert!(latency.nodes >= 1 && latency.max.is_some(), "{latency:?}");
 
+    // The same as a stream, followed below to the last node.
+    let mut watch = op.watch_service(ask()).await.unwrap().into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.changed_version, before.changed_version);
+
     // node-1 away, one endpoint removed: live on node-0 only.
     lab.stop_actuator(1).unwrap();
     lab.apply_yaml(&docs(&[slice(
@@ -207,6 +219,29 @@ async fn get_service_says_where_a_change_is_live() {
     let node1 = after.nodes.iter().find(|n| n.node == "node-1").unwrap();
     assert_eq!(node1.state(), State::Disconnected, "{after:?}");
     assert_eq!(after.summary, "applied on 1 of 2 nodes, 1 disconnected");
+
+    // node-1 back: the stream shows the change reaching it.
+    lab.start_actuator(1).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let next = tokio::time::timeout(left, watch.message())
+            .await
+            .unwrap_or_else(|_| panic!("the rollout never completed: {seen:?}"))
+            .unwrap()
+            .unwrap();
+        seen.push(next.summary.clone());
+        if next.changed_version == after.changed_version
+            && next.summary == "applied on 2 of 2 nodes"
+        {
+            break;
+        }
+    }
+    assert!(
+        seen.iter().any(|s| s.contains("1 disconnected")),
+        "the stream skipped the partial rollout: {seen:?}"
+    );
 
     // Unknown Services and nodes' certificates.
     let err = op

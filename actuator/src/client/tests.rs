@@ -46,6 +46,8 @@ struct Recorder {
 impl Dataplane for Recorder {
     type SyncStream = ReceiverStream<Result<Update, Status>>;
     type WatchNodesStream = ReceiverStream<Result<splitproxy_proto::v1::NodeEvent, Status>>;
+    type WatchServiceStream =
+        ReceiverStream<Result<splitproxy_proto::v1::GetServiceResponse, Status>>;
 
     async fn sync(
         &self,
@@ -105,6 +107,13 @@ impl Dataplane for Recorder {
         &self,
         _: Request<splitproxy_proto::v1::GetServiceRequest>,
     ) -> Result<Response<splitproxy_proto::v1::GetServiceResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+
+    async fn watch_service(
+        &self,
+        _: Request<splitproxy_proto::v1::GetServiceRequest>,
+    ) -> Result<Response<Self::WatchServiceStream>, Status> {
         Err(Status::unimplemented("not in this test"))
     }
 }
