@@ -30,9 +30,11 @@
 #                    /<prefix>-node-i). Routes to the other nodes' pod CIDRs go straight over the
 #                    fabric bridge. Host-network pods live in this namespace.
 #
-# The daemons enter only the network namespace (nsenter --net), not a mount namespace, so the
-# kubelet's volume mounts are visible to containerd and runc; every such mount lies under the
-# state directory and `stop` unmounts it. The one thing written outside it: the kubelet keeps
+# The daemons enter the node's network namespace (nsenter --net). The kubelets also get a mount
+# namespace of their own, only to show them the machine-wide sysctls they insist on without
+# changing the machine's (see make_kubelet_sysctls); the state directory is a shared mount, so
+# their volume mounts still reach containerd and runc. Every mount lies under the state
+# directory and `stop` unmounts it. Written outside it, at
 # fixed paths that the daemons use whatever their configuration: the kubelet's symlinks in
 # /var/log/containers and its device-plugin socket /var/lib/kubelet/device-plugins/kubelet.sock,
 # the CNI result cache /var/lib/cni/results, and the shims' sockets in /run/containerd/s (each
@@ -82,10 +84,11 @@ in_ns() { local ns=$1; shift; nsenter --net="/run/netns/$ns" -- "$@"; }
 # and nsenter (which execs), so $! is the daemon's own pid; recorded with the binary's path so
 # that `stop` never signals a reused pid.
 
-start_daemon() { # NAME NETNS BINARY ARGS...
+start_daemon() { # NAME NETNS BINARY ARGS... (with $launcher, if set, between nsenter and BINARY)
   local name=$1 ns=$2 exe=$3; shift 3
   mkdir -p "$dir/pids" "$dir/logs"
-  setsid nsenter --net="/run/netns/$ns" -- "$exe" "$@" >"$dir/logs/$name.log" 2>&1 </dev/null &
+  setsid nsenter --net="/run/netns/$ns" -- ${launcher[@]+"${launcher[@]}"} "$exe" "$@" \
+    >"$dir/logs/$name.log" 2>&1 </dev/null &
   local pid=$!
   printf '%s %s\n' "$pid" "$(realpath "$exe")" >"$dir/pids/$name"
   say "started $name (pid $pid) in $ns"
@@ -382,6 +385,8 @@ cgroupDriver: cgroupfs
 failCgroupV1: false
 cgroupRoot: /$(cgroup_root "$i")
 failSwapOn: false
+# Never write the machine-wide sysctls it wants (see make_kubelet_sysctls in tools/cluster.sh).
+protectKernelDefaults: true
 containerRuntimeEndpoint: unix://$d/containerd.sock
 podLogsDir: $d/pod-logs
 address: $ip
@@ -415,9 +420,47 @@ start_node() { # INDEX
   "$bin/ctr" --address "$d/containerd.sock" -n k8s.io images import --local \
     "$cache/pause/splitproxy-pause.oci.tar" >/dev/null
   make_cgroup_root "$i"
+  # The kubelet in a mount namespace of its own, only so that it sees the kernel settings it
+  # insists on (below) without changing the machine's; its volume mounts under the state
+  # directory still reach containerd and runc, through the shared mount made by start.
+  local launcher=(unshare --mount --propagation unchanged -- /bin/sh -c "$kubelet_prelude" sh)
   start_daemon "kubelet-$i" "$ns" "$bin/kubelet" --config="$d/kubelet/config.yaml" \
     --kubeconfig="$dir/kubeconfig/node-$i" --hostname-override="$(node_name "$i")" \
     --node-ip="$(node_ip "$i")" --root-dir="$d/kubelet/root" --cert-dir="$d/kubelet/pki"
+}
+
+# The kubelet sets six machine-wide sysctls at start (vm.overcommit_memory=1, vm.panic_on_oom=0,
+# kernel.panic=10, kernel.panic_on_oops=1, kernel.keys.root_maxkeys/root_maxbytes) unless
+# protectKernelDefaults, which instead refuses to start when they differ. Changing them would
+# change the machine for everything else on it (panic_on_oops=1 turns any kernel oops into a
+# reboot), so each kubelet gets protectKernelDefaults: true and, in its private mount namespace,
+# read-only files holding the values it expects bound over those /proc/sys entries; /proc is
+# private, so the binds stay in that namespace.
+kubelet_sysctls=(vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1
+  kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000)
+kubelet_prelude='
+set -e
+mount --make-rprivate /proc
+for f in "$SPLITPROXY_SYSCTL_DIR"/*; do
+  mount --bind -o ro "$f" "/proc/sys/$(basename "$f" | tr . /)"
+done
+exec "$@"'
+
+make_kubelet_sysctls() {
+  local kv
+  mkdir -p "$dir/kubelet-sysctls"
+  for kv in "${kubelet_sysctls[@]}"; do
+    echo "${kv#*=}" >"$dir/kubelet-sysctls/$(echo "${kv%%=*}" | tr / .)"
+  done
+  export SPLITPROXY_SYSCTL_DIR=$dir/kubelet-sysctls
+}
+
+# The state directory as a shared mount, so that mounts made below it in the kubelets' own mount
+# namespaces appear in the machine's (where containerd and runc look for them).
+make_shared_dir() {
+  mount --bind "$dir" "$dir"
+  echo "$dir" >"$dir/shared-mount"
+  mount --make-shared "$dir"
 }
 
 node_ready() { # NAME
@@ -440,6 +483,7 @@ cmd_start() {
   if [ -d "$dir" ] && [ -n "$(ls -A "$dir/pids" 2>/dev/null)$(cat "$dir/netns" 2>/dev/null)" ]; then
     die "$dir holds a running or unclean cluster: tools/cluster.sh stop first"
   fi
+  findmnt -rn -o TARGET | grep -qxF "$dir" && die "$dir is still mounted: tools/cluster.sh stop first"
   ip netns list | grep -q "^$prefix-" && die "namespaces $prefix-* exist: tools/cluster.sh stop first"
   [ -f "$cache/pause/splitproxy-pause.oci.tar" ] || "$here/pause-image.sh" >/dev/null
   rm -rf "$dir"
@@ -451,6 +495,8 @@ cmd_start() {
     trap 'say "start failed; logs kept in $dir/logs; stopping"; cmd_stop' EXIT
   fi
   local t0=$SECONDS
+  make_shared_dir
+  make_kubelet_sysctls
   make_pki
   make_fabric
   for ((i = 0; i < n; i++)); do make_node_net "$i" "$n"; done
@@ -545,8 +591,12 @@ cmd_stop() {
   keep_missing "$dir/host-dirs" rm_dir
   del_netns() { ip netns del "$(basename "$1")" 2>/dev/null; }
   keep_missing "$dir/netns" del_netns
+  # The state directory's own bind mount (made shared by start), last.
+  if [ -f "$dir/shared-mount" ] && findmnt -rn -o TARGET | grep -qxF "$dir"; then
+    umount "$dir" 2>/dev/null || umount -l "$dir"
+  fi
   local left
-  left=$(findmnt -rn -o TARGET | awk -v d="$dir/" 'index($0, d) == 1' | wc -l)
+  left=$(findmnt -rn -o TARGET | awk -v d="$dir" '$0 == d || index($0, d "/") == 1' | wc -l)
   say "stopped; logs in $dir/logs"
   for f in cgroups netns host-dirs; do
     [ -f "$dir/$f" ] && say "left behind ($f; run stop again): $(tr '\n' ' ' <"$dir/$f")"
