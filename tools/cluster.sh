@@ -197,7 +197,11 @@ make_pki() {
   kubeconfig scheduler https://127.0.0.1:6443
 }
 
-kubectl_admin() { in_ns "$fabric" "$bin/kubectl" --kubeconfig "$dir/kubeconfig/admin" "$@"; }
+# Its discovery cache under the state directory, not in $HOME.
+kubectl_admin() {
+  in_ns "$fabric" "$bin/kubectl" --kubeconfig "$dir/kubeconfig/admin" \
+    --cache-dir "$dir/kubectl-cache" "$@"
+}
 
 # ---------------------------------------------------------------------------------------------
 # Network: the fabric and one namespace per node.
