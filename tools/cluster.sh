@@ -10,7 +10,8 @@
 #   tools/cluster.sh stop            kill (by pid) what start started, unmount everything under
 #                                    the state directory, delete the namespaces and cgroups
 #   tools/cluster.sh kubectl ARGS    kubectl as cluster-admin (run in the fabric namespace)
-#   tools/cluster.sh smoke           a pause pod on every node; waits until each runs
+#   tools/cluster.sh smoke           a pause pod and a host-network pause pod on every node;
+#                                    waits until each runs
 #   tools/cluster.sh env             prints the namespace and kubeconfig paths, for scripts
 #
 # Needs root, the `cluster` binaries (tools/build-tools.sh cluster, cached by version), runc
@@ -489,7 +490,8 @@ cmd_start() {
   fi
   findmnt -rn -o TARGET | grep -qxF "$dir" && die "$dir is still mounted: tools/cluster.sh stop first"
   ip netns list | grep -q "^$prefix-" && die "namespaces $prefix-* exist: tools/cluster.sh stop first"
-  [ -f "$cache/pause/splitproxy-pause.oci.tar" ] || "$here/pause-image.sh" >/dev/null
+  # Rebuilt every time (about a second, reproducible): the cached archive follows tools/pause.
+  "$here/pause-image.sh" >/dev/null
   rm -rf "$dir"
   mkdir -p "$dir"
   echo "$n" >"$dir/nodes-count"
@@ -673,5 +675,5 @@ case ${1:-} in
   smoke) cmd_smoke ;;
   env) cmd_env ;;
   kubectl) shift; kubectl_admin "$@" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
