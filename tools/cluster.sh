@@ -61,16 +61,16 @@ stop_timeout=20
 host_dirs=(/var/log/containers /var/lib/kubelet/device-plugins /var/lib/kubelet
   /var/lib/cni/results /var/lib/cni /run/containerd/s /run/containerd)
 
-export PATH=$bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH=$bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 
 say() { printf '[cluster] %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
+dir=$(realpath -m "$dir")
 case $dir in
   /tmp/?* | /var/tmp/?* | /work/?* | "$HOME"/?*) ;;
   *) die "refusing state directory $dir (must be below /tmp, /var/tmp, /work or \$HOME)" ;;
 esac
-dir=$(realpath -m "$dir")
 [[ $prefix =~ ^[a-z][a-z0-9-]{0,15}$ ]] || die "bad SPLITPROXY_CLUSTER_PREFIX $prefix"
 
 node_ns() { echo "$prefix-node-$1"; }
@@ -490,8 +490,12 @@ cmd_start() {
   fi
   findmnt -rn -o TARGET | grep -qxF "$dir" && die "$dir is still mounted: tools/cluster.sh stop first"
   ip netns list | grep -q "^$prefix-" && die "namespaces $prefix-* exist: tools/cluster.sh stop first"
+  # Only ever delete a directory this script made (it holds nodes-count) or an empty one.
+  if [ -d "$dir" ] && [ -n "$(ls -A "$dir")" ] && [ ! -f "$dir/nodes-count" ]; then
+    die "$dir is not empty and not a cluster state directory; choose another SPLITPROXY_CLUSTER_DIR"
+  fi
   # Rebuilt every time (about a second, reproducible): the cached archive follows tools/pause.
-  "$here/pause-image.sh" >/dev/null
+  "$here/pause-image.sh" >/dev/null || die "tools/pause-image.sh failed"
   rm -rf "$dir"
   mkdir -p "$dir"
   echo "$n" >"$dir/nodes-count"
