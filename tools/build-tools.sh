@@ -8,6 +8,10 @@
 #            the benchmark's small-scale run and the chart's tests)
 #     bench  test + kube-controller-manager kwok
 #     all    bench
+#     cluster  etcd kube-apiserver kubelet kube-scheduler kube-controller-manager kubectl
+#            containerd containerd-shim-runc-v2 ctr crictl: what tools/cluster.sh runs (issue
+#            #11); not part of test, bench or all, and not built by tools/test.sh or CI.
+#            runc and the CNI plugins come from Debian (tools/setup.sh cluster).
 #     NAME   any single binary of the above
 #
 # Binaries land in $SPLITPROXY_TOOLS_CACHE/<name>-<version>/<name> (default cache:
@@ -20,6 +24,11 @@ ETCD_VERSION=v3.6.16
 GRPCURL_VERSION=v1.9.4
 HELM_VERSION=v4.3.2
 KWOK_VERSION=v0.8.0
+# containerd v2 (Debian's 1.6 is too old for kubelet v1.37); its go.mod has no replace lines, so
+# `go install` from the module proxy builds it. The 2.2 line still supports cgroup v1 (deprecated
+# there, removal announced for no later than May 2029), which this project's machines run.
+CONTAINERD_VERSION=v2.2.9
+CRICTL_VERSION=v1.37.0
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${SPLITPROXY_TOOLS_CACHE:-$HOME/.cache/splitproxy-tools}
@@ -30,7 +39,10 @@ say() { printf '[build-tools] %s\n' "$*" >&2; }
 version_of() {
   case $1 in
     etcd) echo "$ETCD_VERSION" ;;
-    kube-apiserver | kube-proxy | kube-controller-manager) echo "$K8S_VERSION" ;;
+    kube-apiserver | kube-proxy | kube-controller-manager | kubelet | kube-scheduler | kubectl)
+      echo "$K8S_VERSION" ;;
+    containerd | containerd-shim-runc-v2 | ctr) echo "$CONTAINERD_VERSION" ;;
+    crictl) echo "$CRICTL_VERSION" ;;
     grpcurl) echo "$GRPCURL_VERSION" ;;
     helm) echo "$HELM_VERSION" ;;
     kwok) echo "$KWOK_VERSION" ;;
@@ -61,7 +73,7 @@ build_one() {
   case $name in
     etcd)
       (cd "$here/etcd" && CGO_ENABLED=0 go build -trimpath -ldflags '-s -w' -o "$tmp/etcd" .) ;;
-    kube-apiserver | kube-proxy | kube-controller-manager)
+    kube-apiserver | kube-proxy | kube-controller-manager | kubelet | kube-scheduler | kubectl)
       (cd "$here/k8s" && CGO_ENABLED=0 go build -trimpath -ldflags "$(k8s_ldflags)" \
         -o "$tmp/$name" "k8s.io/kubernetes/cmd/$name") ;;
     grpcurl)
@@ -70,6 +82,15 @@ build_one() {
       GOBIN="$tmp" CGO_ENABLED=0 go install "helm.sh/helm/v4/cmd/helm@$version" ;;
     kwok)
       GOBIN="$tmp" CGO_ENABLED=0 go install "sigs.k8s.io/kwok/cmd/kwok@$version" ;;
+    containerd | containerd-shim-runc-v2 | ctr)
+      # Static, without the cgo-only snapshotters (btrfs, devmapper); overlayfs and native stay.
+      GOBIN="$tmp" CGO_ENABLED=0 go install -tags 'no_btrfs no_devmapper no_zfs' \
+        -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$version" \
+        "github.com/containerd/containerd/v2/cmd/$name@$version" ;;
+    crictl)
+      GOBIN="$tmp" CGO_ENABLED=0 go install \
+        -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$version" \
+        "sigs.k8s.io/cri-tools/cmd/crictl@$version" ;;
   esac
   rm -rf "$out"; mv "$tmp" "$out"
   ln -sfn "$out/$name" "$cache/bin/$name"
@@ -83,6 +104,8 @@ for arg in "$@"; do
     test) names+=(etcd kube-apiserver grpcurl kube-proxy helm) ;;
     bench) names+=(etcd kube-apiserver grpcurl kube-proxy helm kube-controller-manager kwok) ;;
     all) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok helm) ;;
+    cluster) names+=(etcd kube-apiserver containerd containerd-shim-runc-v2 ctr crictl kubelet
+      kube-scheduler kube-controller-manager kubectl) ;;
     *) names+=("$arg") ;;
   esac
 done
