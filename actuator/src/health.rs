@@ -63,7 +63,15 @@ fn router(health: Arc<Health>, endpoints: Endpoints) -> Router {
     if endpoints.metrics {
         app = app.route(
             "/metrics",
-            get(|State(h): State<Arc<Health>>| async move { h.metrics.render() }),
+            get(|State(h): State<Arc<Health>>| async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        crate::metrics::CONTENT_TYPE,
+                    )],
+                    h.metrics.render(),
+                )
+            }),
         );
     }
     app.with_state(health)
