@@ -1,17 +1,20 @@
 //! The brain's Prometheus metrics. Counted in atomics where they happen (the call sites read
 //! them back in tests), then at every scrape put into a `prometheus_client` registry as
-//! constant metrics, with the histograms and the figures computed at scrape time, and encoded
-//! in the OpenMetrics text format (see `http.rs`).
+//! constant metrics (labelled counters through a collector), with the histograms and the
+//! figures computed at scrape time, and encoded in the OpenMetrics text format (see `http.rs`).
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::{EncodeCounterValue, EncodeGaugeValue};
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::family::Family;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeMetric,
+};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
@@ -110,19 +113,20 @@ impl Exposition {
             .register(name, trim(help), ConstGauge::new(value));
     }
 
-    /// A counter by label; `series` in any order (the encoder does not keep it).
+    /// A counter by label, declared (HELP and TYPE) even with no series yet, as a family
+    /// such as `splitproxy_brain_invalid_objects_total` is before its first object: alerts and
+    /// the chart's check refer to it. A registry skips empty families, so this is a collector.
     pub fn counters(
         &mut self,
         name: &str,
         help: &str,
         series: impl IntoIterator<Item = (Labels, u64)>,
     ) {
-        let family = Family::<Labels, Counter>::default();
-        for (labels, n) in series {
-            family.get_or_create(&labels).inc_by(n);
-        }
-        self.registry
-            .register(counter_name(name), trim(help), family);
+        self.registry.register_collector(Box::new(DeclaredCounter {
+            name: counter_name(name).to_string(),
+            help: help.to_string(),
+            series: series.into_iter().collect(),
+        }));
     }
 
     fn histogram(&mut self, name: &str, help: &str, h: &Seconds) {
@@ -135,6 +139,25 @@ impl Exposition {
         // Writing to a String cannot fail; the encoder's errors are its writer's.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// A labelled counter's series, read at scrape time.
+#[derive(Debug)]
+struct DeclaredCounter {
+    name: String,
+    help: String,
+    series: Vec<(Labels, u64)>,
+}
+
+impl Collector for DeclaredCounter {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut family =
+            encoder.encode_descriptor(&self.name, &self.help, None, MetricType::Counter)?;
+        for (labels, n) in &self.series {
+            ConstCounter::new(*n).encode(family.encode_family(labels)?)?;
+        }
+        Ok(())
     }
 }
 
@@ -449,6 +472,24 @@ impl crate::podcert::Outcomes for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Alerts name these families before they have a series.
+    #[test]
+    fn empty_labelled_counters_are_declared() {
+        let text = Metrics::default().render(0);
+        for family in [
+            "splitproxy_brain_invalid_objects",
+            "splitproxy_brain_pod_certificates",
+        ] {
+            assert!(
+                text.lines()
+                    .any(|l| l == format!("# TYPE {family} counter")),
+                "{family} not declared:\n{text}"
+            );
+            assert!(!text.contains(&format!("{family}_total{{")), "{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
 
     #[test]
     fn invalid_objects_render_by_kind_and_reason() {
