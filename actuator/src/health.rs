@@ -63,7 +63,15 @@ fn router(health: Arc<Health>, endpoints: Endpoints) -> Router {
     if endpoints.metrics {
         app = app.route(
             "/metrics",
-            get(|State(h): State<Arc<Health>>| async move { h.metrics.render() }),
+            get(|State(h): State<Arc<Health>>| async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        crate::metrics::CONTENT_TYPE,
+                    )],
+                    h.metrics.render(),
+                )
+            }),
         );
     }
     app.with_state(health)
@@ -89,6 +97,12 @@ mod tests {
     use super::*;
 
     async fn get_status(endpoints: Endpoints, path: &str) -> u16 {
+        let answer = get(endpoints, path).await;
+        answer.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    /// The whole HTTP answer, head and body.
+    async fn get(endpoints: Endpoints, path: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -99,7 +113,29 @@ mod tests {
         let mut answer = String::new();
         s.read_to_string(&mut answer).await.unwrap();
         server.abort();
-        answer.split_whitespace().nth(1).unwrap().parse().unwrap()
+        answer
+    }
+
+    /// /metrics is OpenMetrics text, complete (`# EOF`) and labelled as such.
+    #[tokio::test]
+    async fn metrics_are_openmetrics() {
+        let metrics = Endpoints {
+            health: false,
+            metrics: true,
+        };
+        let answer = get(metrics, "/metrics").await.to_lowercase();
+        assert!(
+            answer.contains(&format!(
+                "content-type: {}\r\n",
+                crate::metrics::CONTENT_TYPE
+            )),
+            "{answer}"
+        );
+        assert!(answer.ends_with("# eof\n"), "{answer}");
+        assert!(
+            answer.contains("\nsplitproxy_actuator_apply_errors_total 0\n"),
+            "{answer}"
+        );
     }
 
     /// /metrics only where the metrics flag says, health only where the healthz flag says.

@@ -1,10 +1,17 @@
 //! The actuator's Prometheus metrics, under kube-proxy's names where the meaning is the same so
-//! that existing dashboards keep working.
-use std::fmt::Write;
-
-use splitproxy_proto::prom::Histogram;
-use std::sync::Mutex;
+//! that existing dashboards keep working. Kept in a `prometheus_client` registry and rendered
+//! in the OpenMetrics text format (see `health.rs`).
+use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::time::{Duration, SystemTime};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+/// What `Metrics::render` writes: OpenMetrics text, which ends in `# EOF`.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Buckets of kube-proxy's sync and network-programming histograms (seconds).
 const SYNC_BUCKETS: &[f64] = &[
@@ -16,339 +23,297 @@ const NPL_BUCKETS: &[f64] = &[
     20.0, 25.0, 30.0, 45.0, 60.0, 120.0, 300.0,
 ];
 
-#[derive(Debug, Clone)]
-struct Inner {
-    sync: Histogram,
-    npl: Histogram,
-    last_sync: Option<SystemTime>,
-    applied_generation: u64,
-    apply_errors: u64,
-    snapshots: u64,
-    deltas: u64,
-    connected: bool,
-    elements: u64,
-    conntrack_deleted: u64,
-    conntrack_errors: u64,
-    guarded_deleted: u64,
-    guarded_errors: u64,
-    reconcile_checks: u64,
-    reconcile_reads: u64,
-    reconcile_read_seconds: f64,
-    reconcile_errors: u64,
-    /// Repairs by kind of object that drifted (see `apply::reconcile::Drift::kinds`).
-    drift_repairs: std::collections::BTreeMap<&'static str, u64>,
-    drift_repair_errors: u64,
-    adopted: bool,
-    brains_known: u64,
-    discovery_lists_ok: u64,
-    discovery_lists_error: u64,
-}
+/// The kinds of drifted object `drift_repaired` counts, all exposed from the start.
+const DRIFT_KINDS: [&str; 5] = ["table", "chain", "set", "element", "undecodable"];
+
+/// One label, `what` or `result`: every series of these families is created up front, so a
+/// zero shows (alerts on `increase()` need the series before the first event).
+type ByLabel = Family<[(&'static str, &'static str); 1], Counter>;
 
 #[derive(Debug)]
 pub struct Metrics {
-    inner: Mutex<Inner>,
+    registry: Registry,
+    sync: Histogram,
+    npl: Histogram,
+    last_sync: Gauge<f64, AtomicU64>,
+    applied_generation: Gauge<i64, AtomicI64>,
+    apply_errors: Counter,
+    snapshots: Counter,
+    deltas: Counter,
+    connected: Gauge<i64, AtomicI64>,
+    elements: Gauge<i64, AtomicI64>,
+    conntrack_deleted: Counter,
+    conntrack_errors: Counter,
+    guarded_deleted: Counter,
+    guarded_errors: Counter,
+    reconcile_checks: Counter,
+    reconcile_reads: Counter,
+    reconcile_read_seconds: Gauge<f64, AtomicU64>,
+    reconcile_errors: Counter,
+    /// Repairs by kind of object that drifted (see `apply::reconcile::Drift::kinds`).
+    drift_repairs: ByLabel,
+    drift_repair_errors: Counter,
+    adopted: Gauge<i64, AtomicI64>,
+    brains_known: Gauge<i64, AtomicI64>,
+    discovery_lists: ByLabel,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics {
-            inner: Mutex::new(Inner {
-                sync: Histogram::new(SYNC_BUCKETS),
-                npl: Histogram::new(NPL_BUCKETS),
-                last_sync: None,
-                applied_generation: 0,
-                apply_errors: 0,
-                snapshots: 0,
-                deltas: 0,
-                connected: false,
-                elements: 0,
-                conntrack_deleted: 0,
-                conntrack_errors: 0,
-                guarded_deleted: 0,
-                guarded_errors: 0,
-                reconcile_checks: 0,
-                reconcile_reads: 0,
-                reconcile_read_seconds: 0.0,
-                reconcile_errors: 0,
-                drift_repairs: Default::default(),
-                drift_repair_errors: 0,
-                adopted: false,
-                brains_known: 0,
-                discovery_lists_ok: 0,
-                discovery_lists_error: 0,
-            }),
+        let m = Metrics {
+            registry: Registry::default(),
+            sync: Histogram::new(SYNC_BUCKETS.iter().copied()),
+            npl: Histogram::new(NPL_BUCKETS.iter().copied()),
+            last_sync: Gauge::default(),
+            applied_generation: Gauge::default(),
+            apply_errors: Counter::default(),
+            snapshots: Counter::default(),
+            deltas: Counter::default(),
+            connected: Gauge::default(),
+            elements: Gauge::default(),
+            conntrack_deleted: Counter::default(),
+            conntrack_errors: Counter::default(),
+            guarded_deleted: Counter::default(),
+            guarded_errors: Counter::default(),
+            reconcile_checks: Counter::default(),
+            reconcile_reads: Counter::default(),
+            reconcile_read_seconds: Gauge::default(),
+            reconcile_errors: Counter::default(),
+            drift_repairs: ByLabel::default(),
+            drift_repair_errors: Counter::default(),
+            adopted: Gauge::default(),
+            brains_known: Gauge::default(),
+            discovery_lists: ByLabel::default(),
+        };
+        for what in DRIFT_KINDS {
+            let _ = m.drift_repairs.get_or_create(&[("what", what)]);
         }
+        for result in ["ok", "error"] {
+            let _ = m.discovery_lists.get_or_create(&[("result", result)]);
+        }
+        m.registered()
     }
 }
 
 impl Metrics {
-    fn with(&self, f: impl FnOnce(&mut Inner)) {
-        if let Ok(mut i) = self.inner.lock() {
-            f(&mut i)
+    pub fn applied(&self, generation: u64, took: Duration, snapshot: bool, elements: usize) {
+        self.sync.observe(took.as_secs_f64());
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        self.last_sync.set(now);
+        self.applied_generation.set(generation as i64);
+        self.elements.set(elements as i64);
+        if snapshot {
+            self.snapshots.inc();
+        } else {
+            self.deltas.inc();
         }
     }
 
-    pub fn applied(&self, generation: u64, took: Duration, snapshot: bool, elements: usize) {
-        self.with(|i| {
-            i.sync.observe(took.as_secs_f64());
-            i.last_sync = Some(SystemTime::now());
-            i.applied_generation = generation;
-            i.elements = elements as u64;
-            if snapshot {
-                i.snapshots += 1
-            } else {
-                i.deltas += 1
-            }
-        })
-    }
-
     pub fn apply_failed(&self) {
-        self.with(|i| i.apply_errors += 1)
+        self.apply_errors.inc();
     }
 
     pub fn network_programming(&self, latency: Duration) {
-        self.with(|i| i.npl.observe(latency.as_secs_f64()))
+        self.npl.observe(latency.as_secs_f64());
     }
 
     /// Stale UDP conntrack entries deleted after a commit.
     pub fn conntrack_deleted(&self, n: u64) {
-        self.with(|i| i.conntrack_deleted += n)
+        self.conntrack_deleted.inc_by(n);
     }
 
     /// A conntrack cleanup that failed, whole or in part.
     pub fn conntrack_cleanup_failed(&self) {
-        self.with(|i| i.conntrack_errors += 1)
+        self.conntrack_errors.inc();
     }
 
     /// Guarded map entries (session affinity) deleted after a commit removed their guard.
     pub fn guarded_deleted(&self, n: u64) {
-        self.with(|i| i.guarded_deleted += n)
+        self.guarded_deleted.inc_by(n);
     }
 
     /// A guarded entries cleanup that failed.
     pub fn guarded_cleanup_failed(&self) {
-        self.with(|i| i.guarded_errors += 1)
+        self.guarded_errors.inc();
     }
 
     /// One reconciliation check (a generation read, and a table read if it moved).
     pub fn reconcile_checked(&self) {
-        self.with(|i| i.reconcile_checks += 1)
+        self.reconcile_checks.inc();
     }
 
     /// The tables were read back from the kernel, taking `took`.
     pub fn reconcile_read(&self, took: Duration) {
-        self.with(|i| {
-            i.reconcile_reads += 1;
-            i.reconcile_read_seconds = took.as_secs_f64();
-        })
+        self.reconcile_reads.inc();
+        self.reconcile_read_seconds.set(took.as_secs_f64());
     }
 
     /// A check that could not run (netlink failed).
     pub fn reconcile_failed(&self) {
-        self.with(|i| i.reconcile_errors += 1)
+        self.reconcile_errors.inc();
     }
 
     /// Drift repaired; `kinds` says what had drifted ("table", "chain", "set", "element",
     /// "undecodable").
     pub fn drift_repaired(&self, kinds: &[&'static str]) {
-        self.with(|i| {
-            for k in kinds {
-                *i.drift_repairs.entry(k).or_default() += 1;
-            }
-        })
+        for k in kinds {
+            self.drift_repairs.get_or_create(&[("what", *k)]).inc();
+        }
     }
 
     /// Drift found whose repair the kernel refused.
     pub fn drift_repair_failed(&self) {
-        self.with(|i| i.drift_repair_errors += 1)
+        self.drift_repair_errors.inc();
     }
 
     /// The tables a previous run left were adopted as the model at start-up.
     pub fn set_adopted(&self, elements: usize) {
-        self.with(|i| {
-            i.adopted = true;
-            i.elements = elements as u64;
-        })
+        self.adopted.set(1);
+        self.elements.set(elements as i64);
     }
 
     /// How many brains this node knows (`--brain` and those found in the EndpointSlices).
     pub fn set_brains_known(&self, n: usize) {
-        self.with(|i| i.brains_known = n as u64)
+        self.brains_known.set(n as i64);
     }
 
     /// One list of the brains' EndpointSlices, which succeeded or not (discovery.rs).
     pub fn discovery_listed(&self, ok: bool) {
-        self.with(|i| {
-            if ok {
-                i.discovery_lists_ok += 1
-            } else {
-                i.discovery_lists_error += 1
-            }
-        })
+        let result = if ok { "ok" } else { "error" };
+        self.discovery_lists
+            .get_or_create(&[("result", result)])
+            .inc();
     }
 
     pub fn set_connected(&self, c: bool) {
-        self.with(|i| i.connected = c)
+        self.connected.set(c.into());
     }
 
+    /// The metrics in the OpenMetrics text format (ending in `# EOF`).
     pub fn render(&self) -> String {
-        let Ok(i) = self.inner.lock().map(|i| i.clone()) else {
-            return String::new();
-        };
         let mut out = String::new();
-        i.sync.render(
-            &mut out,
-            "kubeproxy_sync_proxy_rules_duration_seconds",
-            "Time the actuator took to apply one update to the kernel (one nf_tables transaction).",
-        );
-        i.npl.render(
-            &mut out,
-            "kubeproxy_network_programming_duration_seconds",
-            "From an endpoint or Service change to its rules being applied on this node.",
-        );
-        let last = i
-            .last_sync
-            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
-        let gauges = [
-            (
-                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-                "gauge",
-                "When the last update was applied.",
-                last,
-            ),
-            (
-                "splitproxy_actuator_applied_generation",
-                "gauge",
-                "Generation of the last applied update.",
-                i.applied_generation as f64,
-            ),
-            (
-                "splitproxy_actuator_apply_errors_total",
-                "counter",
-                "Updates the kernel rejected.",
-                i.apply_errors as f64,
-            ),
-            (
-                "splitproxy_actuator_snapshots_applied_total",
-                "counter",
-                "Snapshot updates applied.",
-                i.snapshots as f64,
-            ),
-            (
-                "splitproxy_actuator_deltas_applied_total",
-                "counter",
-                "Delta updates applied.",
-                i.deltas as f64,
-            ),
-            (
-                "splitproxy_actuator_connected",
-                "gauge",
-                "1 while a brain stream is open.",
-                i.connected as u8 as f64,
-            ),
-            (
-                "splitproxy_actuator_set_elements",
-                "gauge",
-                "Set and map elements in the applied model.",
-                i.elements as f64,
-            ),
-            (
-                "splitproxy_actuator_conntrack_entries_deleted_total",
-                "counter",
-                "Stale UDP conntrack entries deleted after commits (endpoints gone, or destinations that got endpoints).",
-                i.conntrack_deleted as f64,
-            ),
-            (
-                "splitproxy_actuator_conntrack_cleanup_errors_total",
-                "counter",
-                "Conntrack cleanups that failed in whole or in part; the entries expire by themselves.",
-                i.conntrack_errors as f64,
-            ),
-            (
-                "splitproxy_actuator_affinity_entries_deleted_total",
-                "counter",
-                "Entries the packet path added to a guarded map (session affinity) deleted after a commit removed the set element that vouched for them.",
-                i.guarded_deleted as f64,
-            ),
-            (
-                "splitproxy_actuator_affinity_cleanup_errors_total",
-                "counter",
-                "Cleanups of guarded map entries (session affinity) that failed; the entries time out by themselves.",
-                i.guarded_errors as f64,
-            ),
-        ];
-        let reconcile = [
-            (
-                "splitproxy_actuator_reconcile_checks_total",
-                "counter",
-                "Checks of the kernel's tables against the applied model (a generation read each).",
-                i.reconcile_checks as f64,
-            ),
-            (
-                "splitproxy_actuator_reconcile_reads_total",
-                "counter",
-                "Checks that read the tables back because someone else committed.",
-                i.reconcile_reads as f64,
-            ),
-            (
-                "splitproxy_actuator_reconcile_read_duration_seconds",
-                "gauge",
-                "Time the last read of the tables took.",
-                i.reconcile_read_seconds,
-            ),
-            (
-                "splitproxy_actuator_reconcile_errors_total",
-                "counter",
-                "Checks that could not run.",
-                i.reconcile_errors as f64,
-            ),
-            (
-                "splitproxy_actuator_drift_repair_errors_total",
-                "counter",
-                "Drift found whose repair the kernel refused (the next snapshot replaces the tables).",
-                i.drift_repair_errors as f64,
-            ),
-            (
-                "splitproxy_actuator_adopted",
-                "gauge",
-                "1 when the tables a previous run left were adopted at start-up.",
-                i.adopted as u8 as f64,
-            ),
-            (
-                "splitproxy_actuator_brains_known",
-                "gauge",
-                "Brains this node knows: --brain addresses and those found in the brain Service's EndpointSlices.",
-                i.brains_known as f64,
-            ),
-        ];
-        for (name, kind, help, v) in gauges.into_iter().chain(reconcile) {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
-            );
-        }
-        let name = "splitproxy_actuator_drift_repairs_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Repairs of the kernel's tables, by kind of object that had drifted from the applied model.\n# TYPE {name} counter"
-        );
-        for what in ["table", "chain", "set", "element", "undecodable"] {
-            let v = i.drift_repairs.get(what).copied().unwrap_or(0);
-            let _ = writeln!(out, "{name}{{what=\"{what}\"}} {v}");
-        }
-        let name = "splitproxy_actuator_discovery_lists_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Lists of the brain Service's EndpointSlices, by result (ok, error).\n# TYPE {name} counter"
-        );
-        for (result, v) in [
-            ("ok", i.discovery_lists_ok),
-            ("error", i.discovery_lists_error),
-        ] {
-            let _ = writeln!(out, "{name}{{result=\"{result}\"}} {v}");
-        }
+        // Writing to a String cannot fail; the encoder's errors are its writer's.
+        let _ = encode(&mut out, &self.registry);
         out
+    }
+
+    /// Registers every metric, in the order they have always been exposed. The help texts
+    /// leave out their final period: the registry appends one.
+    fn registered(mut self) -> Self {
+        let r = &mut self.registry;
+        r.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "Time the actuator took to apply one update to the kernel (one nf_tables transaction)",
+            self.sync.clone(),
+        );
+        r.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "From an endpoint or Service change to its rules being applied on this node",
+            self.npl.clone(),
+        );
+        r.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "When the last update was applied",
+            self.last_sync.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_applied_generation",
+            "Generation of the last applied update",
+            self.applied_generation.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_apply_errors",
+            "Updates the kernel rejected",
+            self.apply_errors.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_snapshots_applied",
+            "Snapshot updates applied",
+            self.snapshots.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_deltas_applied",
+            "Delta updates applied",
+            self.deltas.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_connected",
+            "1 while a brain stream is open",
+            self.connected.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_set_elements",
+            "Set and map elements in the applied model",
+            self.elements.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_conntrack_entries_deleted",
+            "Stale UDP conntrack entries deleted after commits (endpoints gone, or destinations that got endpoints)",
+            self.conntrack_deleted.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_conntrack_cleanup_errors",
+            "Conntrack cleanups that failed in whole or in part; the entries expire by themselves",
+            self.conntrack_errors.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_affinity_entries_deleted",
+            "Entries the packet path added to a guarded map (session affinity) deleted after a commit removed the set element that vouched for them",
+            self.guarded_deleted.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_affinity_cleanup_errors",
+            "Cleanups of guarded map entries (session affinity) that failed; the entries time out by themselves",
+            self.guarded_errors.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_reconcile_checks",
+            "Checks of the kernel's tables against the applied model (a generation read each)",
+            self.reconcile_checks.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_reconcile_reads",
+            "Checks that read the tables back because someone else committed",
+            self.reconcile_reads.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_reconcile_read_duration_seconds",
+            "Time the last read of the tables took",
+            self.reconcile_read_seconds.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_reconcile_errors",
+            "Checks that could not run",
+            self.reconcile_errors.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_drift_repair_errors",
+            "Drift found whose repair the kernel refused (the next snapshot replaces the tables)",
+            self.drift_repair_errors.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_adopted",
+            "1 when the tables a previous run left were adopted at start-up",
+            self.adopted.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_brains_known",
+            "Brains this node knows: --brain addresses and those found in the brain Service's EndpointSlices",
+            self.brains_known.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_drift_repairs",
+            "Repairs of the kernel's tables, by kind of object that had drifted from the applied model",
+            self.drift_repairs.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_discovery_lists",
+            "Lists of the brain Service's EndpointSlices, by result (ok, error)",
+            self.discovery_lists.clone(),
+        );
+        self
     }
 }

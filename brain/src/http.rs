@@ -41,16 +41,26 @@ pub async fn serve(
     axum::serve(listener, app).await
 }
 
-async fn metrics(State(s): State<AppState>) -> String {
+async fn metrics(
+    State(s): State<AppState>,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     let (max_node_lag, nodes_lagging) = s.fanout.lag_summary();
     let live = Live {
         max_node_lag,
         nodes_lagging,
         api_contact_age: s.freshness.age(),
     };
-    s.fanout
+    let text = s
+        .fanout
         .metrics
-        .render_with(s.fanout.connected_nodes(), &live)
+        .render_with(s.fanout.connected_nodes(), &live);
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::metrics::CONTENT_TYPE,
+        )],
+        text,
+    )
 }
 
 async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {

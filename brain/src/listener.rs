@@ -22,7 +22,6 @@
 //! cached), whose identity replaces the connection's in the request's [`PeerInfo`]; a caller
 //! with no credential or no role at all is refused there.
 use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -130,52 +129,52 @@ impl SurfaceMetrics {
         }
     }
 
-    pub fn render(&self, out: &mut String) {
-        out.push_str("# HELP splitproxy_brain_refused_total Connections and calls refused, by reason (see docs/protocol.md, \"Who may call what\").\n");
-        out.push_str("# TYPE splitproxy_brain_refused_total counter\n");
-        if let Ok(m) = self.refused.lock() {
-            for reason in Refusal::ALL {
-                let n = m.get(&reason).copied().unwrap_or(0);
-                let _ = writeln!(
-                    out,
-                    "splitproxy_brain_refused_total{{reason=\"{}\"}} {n}",
-                    reason.as_str()
-                );
-            }
+    /// Adds the surface's metrics to a scrape (`crate::metrics::Exposition`).
+    pub fn expose(&self, out: &mut crate::metrics::Exposition) {
+        fn by_reason<K: Ord>(
+            m: &Mutex<BTreeMap<K, u64>>,
+            reasons: impl IntoIterator<Item = (K, &'static str)>,
+        ) -> Vec<(crate::metrics::Labels, u64)> {
+            let Ok(m) = m.lock() else { return Vec::new() };
+            reasons
+                .into_iter()
+                .map(|(k, label)| {
+                    let n = m.get(&k).copied().unwrap_or(0);
+                    (vec![("reason", label)], n)
+                })
+                .collect()
         }
-        out.push_str("# HELP splitproxy_brain_tls_handshake_failures_total TLS handshakes that failed or timed out, by reason.\n");
-        out.push_str("# TYPE splitproxy_brain_tls_handshake_failures_total counter\n");
-        if let Ok(m) = self.handshake_failures.lock() {
-            for reason in HANDSHAKE_FAILURES {
-                let n = m.get(reason).copied().unwrap_or(0);
-                let _ = writeln!(
-                    out,
-                    "splitproxy_brain_tls_handshake_failures_total{{reason=\"{reason}\"}} {n}"
-                );
-            }
-        }
-        out.push_str("# HELP splitproxy_brain_connections_closed_total Established connections the brain closed: no request in time (idle), client certificate expired.\n");
-        out.push_str("# TYPE splitproxy_brain_connections_closed_total counter\n");
-        if let Ok(m) = self.closed.lock() {
-            for reason in ["idle", "certificate_expired"] {
-                let n = m.get(reason).copied().unwrap_or(0);
-                let _ = writeln!(
-                    out,
-                    "splitproxy_brain_connections_closed_total{{reason=\"{reason}\"}} {n}"
-                );
-            }
-        }
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let _ = writeln!(
-            out,
-            "# HELP splitproxy_brain_open_connections gRPC connections held, handshaking or established.\n# TYPE splitproxy_brain_open_connections gauge\nsplitproxy_brain_open_connections {}",
-            g(&self.open_connections)
+        out.counters(
+            "splitproxy_brain_refused_total",
+            "Connections and calls refused, by reason (see docs/protocol.md, \"Who may call what\").",
+            by_reason(&self.refused, Refusal::ALL.map(|r| (r, r.as_str()))),
         );
-        let _ = writeln!(
-            out,
-            "# HELP splitproxy_brain_tls_reloads_total Reloads of the server's TLS files after they changed, by result.\n# TYPE splitproxy_brain_tls_reloads_total counter\nsplitproxy_brain_tls_reloads_total{{result=\"ok\"}} {}\nsplitproxy_brain_tls_reloads_total{{result=\"error\"}} {}",
-            g(&self.tls_reloads),
-            g(&self.tls_reload_errors)
+        out.counters(
+            "splitproxy_brain_tls_handshake_failures_total",
+            "TLS handshakes that failed or timed out, by reason.",
+            by_reason(&self.handshake_failures, HANDSHAKE_FAILURES.map(|r| (r, r))),
+        );
+        out.counters(
+            "splitproxy_brain_connections_closed_total",
+            "Established connections the brain closed: no request in time (idle), client certificate expired.",
+            by_reason(
+                &self.closed,
+                ["idle", "certificate_expired"].map(|r| (r, r)),
+            ),
+        );
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        out.gauge(
+            "splitproxy_brain_open_connections",
+            "gRPC connections held, handshaking or established.",
+            g(&self.open_connections) as i64,
+        );
+        out.counters(
+            "splitproxy_brain_tls_reloads_total",
+            "Reloads of the server's TLS files after they changed, by result.",
+            [
+                (vec![("result", "ok")], g(&self.tls_reloads)),
+                (vec![("result", "error")], g(&self.tls_reload_errors)),
+            ],
         );
     }
 }

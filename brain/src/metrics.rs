@@ -1,12 +1,23 @@
-//! The brain's Prometheus metrics, rendered in the text exposition format. Few enough that a
-//! small registry of atomics beats a metrics framework.
+//! The brain's Prometheus metrics. Counted in atomics where they happen (the call sites read
+//! them back in tests), then at every scrape put into a `prometheus_client` registry as
+//! constant metrics (labelled counters through a collector), with the histograms and the
+//! figures computed at scrape time, and encoded in the OpenMetrics text format (see `http.rs`).
 use std::collections::BTreeMap;
-use std::fmt::Write;
+use std::fmt::Debug;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use splitproxy_proto::prom::Histogram;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeMetric,
+};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use crate::objects::InvalidReason;
 
@@ -34,11 +45,11 @@ pub struct Metrics {
     /// Sessions started, by how the node was resumed ([`Resumption`]).
     resumptions: [AtomicU64; 3],
     /// Publication to the last connected node's ack.
-    fanout: Mutex<Option<Histogram>>,
+    fanout: Seconds,
     /// Index change to published desired state.
-    compute: Mutex<Option<Histogram>>,
+    compute: Seconds,
     /// Building and encoding one distinct update body.
-    encode: Mutex<Option<Histogram>>,
+    encode: Seconds,
     /// The gRPC surface: refusals, failed handshakes, connections, TLS reloads.
     pub surface: crate::listener::SurfaceMetrics,
     /// Bearer tokens: TokenReviews, SubjectAccessReviews, the review cache.
@@ -57,20 +68,105 @@ const BUCKETS: &[f64] = &[
     5.0, 10.0, 25.0, 60.0, 120.0,
 ];
 
-fn observe(h: &Mutex<Option<Histogram>>, d: Duration) {
-    if let Ok(mut h) = h.lock() {
-        h.get_or_insert_with(|| Histogram::new(BUCKETS))
-            .observe(d.as_secs_f64());
+/// What `Metrics::render_with` writes: OpenMetrics text, which ends in `# EOF`.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A histogram of durations in seconds over [`BUCKETS`].
+#[derive(Debug, Clone)]
+struct Seconds(Histogram);
+
+impl Default for Seconds {
+    fn default() -> Self {
+        Seconds(Histogram::new(BUCKETS.iter().copied()))
     }
 }
 
-fn render_histogram(out: &mut String, h: &Mutex<Option<Histogram>>, name: &str, help: &str) {
-    let h = h
-        .lock()
-        .ok()
-        .and_then(|h| h.clone())
-        .unwrap_or_else(|| Histogram::new(BUCKETS));
-    h.render(out, name, help);
+fn observe(h: &Seconds, d: Duration) {
+    h.0.observe(d.as_secs_f64());
+}
+
+/// Labels of one series of a labelled counter.
+pub type Labels = Vec<(&'static str, &'static str)>;
+
+/// One scrape's metrics, in a `prometheus_client` registry. Names are given as exposed (a
+/// counter's with its `_total`, which the encoder appends itself) and help texts as written
+/// (the registry appends a period), so that both can be searched for as they appear.
+#[derive(Debug, Default)]
+pub struct Exposition {
+    registry: Registry,
+}
+
+impl Exposition {
+    pub fn counter<N>(&mut self, name: &str, help: &str, value: N)
+    where
+        N: EncodeCounterValue + Debug + Send + Sync + 'static,
+    {
+        self.registry
+            .register(counter_name(name), trim(help), ConstCounter::new(value));
+    }
+
+    pub fn gauge<N>(&mut self, name: &str, help: &str, value: N)
+    where
+        N: EncodeGaugeValue + Debug + Send + Sync + 'static,
+    {
+        self.registry
+            .register(name, trim(help), ConstGauge::new(value));
+    }
+
+    /// A counter by label, declared (HELP and TYPE) even with no series yet, as a family
+    /// such as `splitproxy_brain_invalid_objects_total` is before its first object: alerts and
+    /// the chart's check refer to it. A registry skips empty families, so this is a collector.
+    pub fn counters(
+        &mut self,
+        name: &str,
+        help: &str,
+        series: impl IntoIterator<Item = (Labels, u64)>,
+    ) {
+        self.registry.register_collector(Box::new(DeclaredCounter {
+            name: counter_name(name).to_string(),
+            help: help.to_string(),
+            series: series.into_iter().collect(),
+        }));
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &Seconds) {
+        self.registry.register(name, trim(help), h.0.clone());
+    }
+
+    /// The OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail; the encoder's errors are its writer's.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// A labelled counter's series, read at scrape time.
+#[derive(Debug)]
+struct DeclaredCounter {
+    name: String,
+    help: String,
+    series: Vec<(Labels, u64)>,
+}
+
+impl Collector for DeclaredCounter {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut family =
+            encoder.encode_descriptor(&self.name, &self.help, None, MetricType::Counter)?;
+        for (labels, n) in &self.series {
+            ConstCounter::new(*n).encode(family.encode_family(labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+fn counter_name(name: &str) -> &str {
+    name.strip_suffix("_total").unwrap_or(name)
+}
+
+fn trim(help: &str) -> &str {
+    help.strip_suffix('.').unwrap_or(help)
 }
 
 /// How a node's session started (`splitproxy_brain_resumptions_total{kind}`; see
@@ -143,200 +239,216 @@ impl Metrics {
 
     /// Renders every metric; `live` holds the figures computed at scrape time.
     pub fn render_with(&self, connected_nodes: usize, live: &Live) -> String {
-        let mut out = self.render(connected_nodes);
-        let mut gauge = |name: &str, help: &str, value: String| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-            );
-        };
-        gauge(
+        let mut out = self.exposition(connected_nodes);
+        out.gauge(
             "splitproxy_brain_node_lag_seconds",
             "The longest time a connected node has been behind the latest published desired state (0 when every node holds it).",
-            live.max_node_lag.as_secs_f64().to_string(),
+            live.max_node_lag.as_secs_f64(),
         );
-        gauge(
+        out.gauge(
             "splitproxy_brain_nodes_lagging",
             "Connected nodes behind the latest published desired state for more than 5 s.",
-            live.nodes_lagging.to_string(),
+            live.nodes_lagging as i64,
         );
-        gauge(
+        out.gauge(
             "splitproxy_brain_api_contact_age_seconds",
             "Time since the last confirmed contact with the API server (a watch event or a probe's answer).",
-            live.api_contact_age.as_secs_f64().to_string(),
+            live.api_contact_age.as_secs_f64(),
         );
-        out
+        out.encode()
     }
 
+    /// Every metric but those computed at scrape time, in the OpenMetrics text format.
     pub fn render(&self, connected_nodes: usize) -> String {
-        let mut out = String::new();
+        self.exposition(connected_nodes).encode()
+    }
+
+    fn exposition(&self, connected_nodes: usize) -> Exposition {
+        let mut out = Exposition::default();
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        out.push_str("# HELP splitproxy_brain_invalid_objects_total Kubernetes objects or parts of them skipped as unusable.\n");
-        out.push_str("# TYPE splitproxy_brain_invalid_objects_total counter\n");
-        if let Ok(m) = self.invalid.lock() {
-            // In label order, as before the reasons were typed.
-            let mut counts: Vec<_> = m
-                .iter()
-                .map(|(reason, n)| ((reason.kind().as_str(), reason.as_str()), n))
-                .collect();
-            counts.sort_unstable();
-            for ((kind, reason), n) in counts {
-                let _ = writeln!(
-                    out,
-                    "splitproxy_brain_invalid_objects_total{{kind=\"{kind}\",reason=\"{reason}\"}} {n}"
-                );
+        let invalid: Vec<(Labels, u64)> = self
+            .invalid
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .map(|(reason, n)| {
+                        let labels = vec![
+                            ("kind", reason.kind().as_str()),
+                            ("reason", reason.as_str()),
+                        ];
+                        (labels, *n)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.counters(
+            "splitproxy_brain_invalid_objects_total",
+            "Kubernetes objects or parts of them skipped as unusable.",
+            invalid,
+        );
+        fn one(out: &mut Exposition, name: &str, kind: &str, help: &str, value: u64) {
+            if kind == "counter" {
+                out.counter(name, help, value)
+            } else {
+                out.gauge(name, help, value as i64)
             }
         }
-        let mut one = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-            );
-        };
-        let c = |a: &AtomicU64| g(a).to_string();
+        let c = g;
         one(
+            &mut out,
             "splitproxy_brain_synced",
             "gauge",
             "1 once every initial list is complete and no relist is pending.",
             c(&self.synced),
         );
         one(
+            &mut out,
             "splitproxy_brain_stale",
             "gauge",
             "1 while the last contact with the API server is older than --api-staleness-bound-ms: the brain is not ready and serves no node.",
             c(&self.stale),
         );
         one(
+            &mut out,
             "splitproxy_brain_tls_lease_holder",
             "gauge",
             "1 while this replica holds the Lease of its managed certificate (--tls-secret) and so writes the Secret and the CA ConfigMap.",
             c(&self.tls_lease_holder),
         );
         one(
+            &mut out,
             "splitproxy_brain_tls_certificate_expiry_timestamp_seconds",
             "gauge",
             "With --tls-secret: when the served certificate expires (Unix seconds; 0 before there is one). Renewed after two thirds of its life.",
             c(&self.tls_certificate_not_after),
         );
         one(
+            &mut out,
             "splitproxy_brain_watch_restarts_total",
             "counter",
             "Times every watch was restarted on new connections, after the API server answered again following failed probes.",
             c(&self.watch_restarts),
         );
         one(
+            &mut out,
             "splitproxy_brain_api_probe_failures_total",
             "counter",
             "Probes of the API server (GET /version) that got no answer in time.",
             c(&self.api_probe_failures),
         );
         one(
+            &mut out,
             "splitproxy_brain_relists_total",
             "counter",
             "Watch failures that led to a retry or relist.",
             c(&self.relists),
         );
         one(
+            &mut out,
             "splitproxy_brain_recomputes_total",
             "counter",
             "Desired-state computations.",
             c(&self.recomputes),
         );
         let secs = g(&self.recompute_micros_total) as f64 / 1e6;
-        one(
+        out.counter(
             "splitproxy_brain_recompute_seconds_total",
-            "counter",
             "Time spent computing desired state.",
-            secs.to_string(),
+            secs,
         );
         one(
+            &mut out,
             "splitproxy_brain_publications_total",
             "counter",
             "Desired states published (changes that reached the streams).",
             c(&self.publications),
         );
         one(
+            &mut out,
             "splitproxy_brain_updates_sent_total",
             "counter",
             "Updates streamed to nodes.",
             c(&self.updates_sent),
         );
         one(
+            &mut out,
             "splitproxy_brain_snapshots_sent_total",
             "counter",
             "Snapshot updates streamed to nodes.",
             c(&self.snapshots_sent),
         );
         one(
+            &mut out,
             "splitproxy_brain_update_bytes_sent_total",
             "counter",
             "Bytes of updates streamed to nodes.",
             c(&self.update_bytes_sent),
         );
         one(
+            &mut out,
             "splitproxy_brain_encodes_total",
             "counter",
             "Distinct update bodies encoded (each shared by every node that needs it).",
             c(&self.encodes),
         );
         one(
+            &mut out,
             "splitproxy_brain_encoded_bytes_total",
             "counter",
             "Bytes of distinct update bodies encoded.",
             c(&self.encoded_bytes),
         );
         one(
+            &mut out,
             "splitproxy_brain_nacks_total",
             "counter",
             "Updates a node failed to apply.",
             c(&self.nacks),
         );
         one(
+            &mut out,
             "splitproxy_brain_connected_nodes",
             "gauge",
             "Nodes with an open stream.",
-            connected_nodes.to_string(),
+            connected_nodes as u64,
         );
-        out.push_str("# HELP splitproxy_brain_resumptions_total Node sessions started, by how the node was resumed: same_epoch (from what it acked here), by_content (from a recent publication its digest matches: failover, brain restart), snapshot.\n");
-        out.push_str("# TYPE splitproxy_brain_resumptions_total counter\n");
-        for kind in Resumption::ALL {
-            let _ = writeln!(
-                out,
-                "splitproxy_brain_resumptions_total{{kind=\"{}\"}} {}",
-                kind.as_str(),
-                self.resumptions(kind)
-            );
-        }
-        out.push_str("# HELP splitproxy_brain_pod_certificates_total PodCertificateRequests of --pod-certificate-signer answered, by outcome: issued, denied, conflict (another replica answered), no_ca, error.\n");
-        out.push_str("# TYPE splitproxy_brain_pod_certificates_total counter\n");
-        if let Ok(counts) = self.pod_certificates.lock() {
-            for (outcome, n) in counts.iter() {
-                let _ = writeln!(
-                    out,
-                    "splitproxy_brain_pod_certificates_total{{outcome=\"{outcome}\"}} {n}"
-                );
-            }
-        }
-        render_histogram(
-            &mut out,
-            &self.fanout,
+        out.counters(
+            "splitproxy_brain_resumptions_total",
+            "Node sessions started, by how the node was resumed: same_epoch (from what it acked here), by_content (from a recent publication its digest matches: failover, brain restart), snapshot.",
+            Resumption::ALL.map(|kind| (vec![("kind", kind.as_str())], self.resumptions(kind))),
+        );
+        let pod_certificates: Vec<(Labels, u64)> = self
+            .pod_certificates
+            .lock()
+            .map(|counts| {
+                counts
+                    .iter()
+                    .map(|(outcome, n)| (vec![("outcome", *outcome)], *n))
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.counters(
+            "splitproxy_brain_pod_certificates_total",
+            "PodCertificateRequests of --pod-certificate-signer answered, by outcome: issued, denied, conflict (another replica answered), no_ca, error.",
+            pod_certificates,
+        );
+        out.histogram(
             "splitproxy_brain_fanout_duration_seconds",
             "From publishing a desired state to the last node connected at that time acking it.",
+            &self.fanout,
         );
-        render_histogram(
-            &mut out,
-            &self.compute,
+        out.histogram(
             "splitproxy_brain_compute_duration_seconds",
             "From a batch of watch events to the published desired state.",
+            &self.compute,
         );
-        render_histogram(
-            &mut out,
-            &self.encode,
+        out.histogram(
             "splitproxy_brain_encode_duration_seconds",
             "Computing and encoding one distinct update body.",
+            &self.encode,
         );
-        self.surface.render(&mut out);
-        self.tokens.render(&mut out);
+        self.surface.expose(&mut out);
+        self.tokens.expose(&mut out);
         out
     }
 }
@@ -361,6 +473,24 @@ impl crate::podcert::Outcomes for Metrics {
 mod tests {
     use super::*;
 
+    /// Alerts name these families before they have a series.
+    #[test]
+    fn empty_labelled_counters_are_declared() {
+        let text = Metrics::default().render(0);
+        for family in [
+            "splitproxy_brain_invalid_objects",
+            "splitproxy_brain_pod_certificates",
+        ] {
+            assert!(
+                text.lines()
+                    .any(|l| l == format!("# TYPE {family} counter")),
+                "{family} not declared:\n{text}"
+            );
+            assert!(!text.contains(&format!("{family}_total{{")), "{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
     #[test]
     fn invalid_objects_render_by_kind_and_reason() {
         let m = Metrics::default();
@@ -369,16 +499,17 @@ mod tests {
         m.invalid(InvalidReason::NoMatchingServicePort);
         assert_eq!(m.invalid_total(), 3);
         let text = m.render(0);
-        let lines: Vec<&str> = text
+        // The encoder keeps no order among a family's series: compare them as a set.
+        let lines: std::collections::BTreeSet<&str> = text
             .lines()
             .filter(|l| l.starts_with("splitproxy_brain_invalid_objects_total{"))
             .collect();
         assert_eq!(
             lines,
-            [
+            std::collections::BTreeSet::from([
                 "splitproxy_brain_invalid_objects_total{kind=\"EndpointSlice\",reason=\"no_matching_service_port\"} 1",
                 "splitproxy_brain_invalid_objects_total{kind=\"Service\",reason=\"cluster_ip_unparsable\"} 2",
-            ]
+            ])
         );
     }
 }

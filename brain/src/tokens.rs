@@ -26,7 +26,6 @@
 //! The reviews go through the [`Reviewer`] trait: [`api::ApiReviewer`] asks the API server, and
 //! tests fake it.
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::str::FromStr;
@@ -278,37 +277,40 @@ pub struct TokenMetrics {
 }
 
 impl TokenMetrics {
-    pub fn render(&self, out: &mut String) {
+    /// Adds the token metrics to a scrape (`crate::metrics::Exposition`).
+    pub fn expose(&self, out: &mut crate::metrics::Exposition) {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut family = |name: &str, help: &str, values: [(&str, u64); 3]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for (result, n) in values {
-                let _ = writeln!(out, "{name}{{result=\"{result}\"}} {n}");
-            }
+        let by_result = |values: &[(&'static str, u64)]| {
+            values
+                .iter()
+                .map(|(result, n)| (vec![("result", *result)], *n))
+                .collect::<Vec<_>>()
         };
-        family(
+        out.counters(
             "splitproxy_brain_token_reviews_total",
             "TokenReviews of bearer tokens sent to the API server, by result (error: no answer, counted as refusals token_review_unavailable).",
-            [
+            by_result(&[
                 ("authenticated", g(&self.authenticated)),
                 ("unauthenticated", g(&self.unauthenticated)),
                 ("error", g(&self.review_errors)),
-            ],
+            ]),
         );
-        family(
+        out.counters(
             "splitproxy_brain_subject_access_reviews_total",
             "SubjectAccessReviews (get splitproxy.io/introspection) for token users other than the node ServiceAccount, by result.",
-            [
+            by_result(&[
                 ("allowed", g(&self.access_allowed)),
                 ("denied", g(&self.access_denied)),
                 ("error", g(&self.access_errors)),
-            ],
+            ]),
         );
-        let _ = writeln!(
-            out,
-            "# HELP splitproxy_brain_token_cache_total Bearer tokens looked up in the review cache, by result.\n# TYPE splitproxy_brain_token_cache_total counter\nsplitproxy_brain_token_cache_total{{result=\"hit\"}} {}\nsplitproxy_brain_token_cache_total{{result=\"miss\"}} {}",
-            g(&self.cache_hits),
-            g(&self.cache_misses)
+        out.counters(
+            "splitproxy_brain_token_cache_total",
+            "Bearer tokens looked up in the review cache, by result.",
+            by_result(&[
+                ("hit", g(&self.cache_hits)),
+                ("miss", g(&self.cache_misses)),
+            ]),
         );
     }
 }

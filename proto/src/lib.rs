@@ -8,7 +8,6 @@ pub mod frames;
 pub mod model;
 pub mod parts;
 pub mod process;
-pub mod prom;
 pub mod render;
 pub mod transport;
 

@@ -184,12 +184,17 @@ async fn the_installed_chart_serves_refuses_and_fails_over() {
     let missing: Vec<_> = referenced
         .iter()
         .filter(|name| {
-            // A series, or a declared family with no series yet (a counter by label).
+            // A series, or a declared family with no series yet (a counter by label; OpenMetrics
+            // declares a counter without its `_total`).
             let family = name.strip_suffix("_bucket").unwrap_or(name);
+            let counter = name
+                .strip_suffix("_total")
+                .map(|f| format!("# TYPE {f} counter"));
             !exposed.lines().any(|l| {
                 l.strip_prefix(name.as_str())
                     .is_some_and(|r| r.starts_with(['{', ' ']))
                     || l.starts_with(&format!("# TYPE {family} "))
+                    || counter.as_deref() == Some(l)
             })
         })
         .collect();
