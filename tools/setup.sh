@@ -14,6 +14,8 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v conntrack >/dev/null || need+=(conntrack)
 command -v nsenter >/dev/null || need+=(util-linux)
 command -v curl >/dev/null || need+=(curl)
+# tools/image.sh (the chart test builds the images) writes OCI layouts with tools/oci_image.py.
+command -v python3 >/dev/null || need+=(python3)
 # The image test reads the OCI archives as a registry client would.
 command -v skopeo >/dev/null || need+=(skopeo)
 # The benchmark's plots (also drawn by its small-scale test) need a font file, not fontconfig.

@@ -689,26 +689,28 @@ impl Fanout {
             return;
         };
         let upto = version.unwrap_or(u64::MAX);
+        let now = Instant::now();
+        // An ack (not a disconnect) times each publication it settles for this node: no
+        // allocation on this per-node path, one clock read.
+        let mut rollouts = version.and_then(|_| self.rollouts.lock().ok());
         let mut done = Vec::new();
-        let mut acked = Vec::new();
         for (v, p) in pending.range_mut(..=upto) {
-            if p.waiting.remove(node) && version.is_some() {
-                acked.push((*v, p.published.elapsed()));
+            let took = now.saturating_duration_since(p.published);
+            if p.waiting.remove(node)
+                && let Some(rollouts) = rollouts.as_mut()
+            {
+                rollouts.entry(*v).or_default().record(took);
             }
             if p.waiting.is_empty() {
-                done.push((*v, p.published.elapsed()));
+                done.push((*v, took));
             }
         }
-        if !acked.is_empty()
-            && let Ok(mut rollouts) = self.rollouts.lock()
-        {
-            for (v, took) in acked {
-                rollouts.entry(v).or_default().record(took);
-            }
+        if let Some(rollouts) = rollouts.as_mut() {
             while rollouts.len() > CHANGE_LOG {
                 rollouts.pop_first();
             }
         }
+        drop(rollouts);
         for (v, took) in done {
             pending.remove(&v);
             self.metrics.observe_fanout(took);

@@ -34,6 +34,7 @@ pub const NODE_STATE_GRACE: Duration = Duration::from_secs(120);
 /// Longest `Hello.version` accepted.
 const MAX_VERSION: usize = 256;
 
+#[derive(Clone)]
 pub struct DataplaneService {
     pub fanout: Arc<Fanout>,
     /// The groups that carry the node and operator roles (see [`crate::auth`]).
@@ -325,12 +326,7 @@ impl Dataplane for DataplaneService {
             .and_then(|d| Duration::try_from(d).ok())
             .unwrap_or(node_watch::DEFAULT_LAG_THRESHOLD)
             .max(node_watch::MIN_LAG_THRESHOLD);
-        let service = DataplaneService {
-            fanout: self.fanout.clone(),
-            groups: self.groups.clone(),
-            freshness: self.freshness.clone(),
-            queries: None,
-        };
+        let service = self.clone();
         let (tx, rx) = mpsc::channel(node_watch::BUFFER);
         tokio::spawn(async move {
             let mut seen = Default::default();
@@ -387,12 +383,7 @@ impl Dataplane for DataplaneService {
         let req = request.into_inner();
         // The first answer, or the error, before the stream starts.
         let first = self.service_status(&req).await?;
-        let service = DataplaneService {
-            fanout: self.fanout.clone(),
-            groups: self.groups.clone(),
-            freshness: self.freshness.clone(),
-            queries: self.queries.clone(),
-        };
+        let service = self.clone();
         let (tx, rx) = mpsc::channel(node_watch::BUFFER);
         tokio::spawn(async move {
             let mut last = first.clone();

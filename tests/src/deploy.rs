@@ -329,6 +329,16 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// The value of the series `name{label="value"}` (one label) in a metrics text. Panics when the
+/// series is not there: a test asks only for series its component always exposes.
+pub fn labelled(text: &str, name: &str, label: &str, value: &str) -> f64 {
+    let prefix = format!("{name}{{{label}=\"{value}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix} in the metrics"))
+}
+
 /// A gRPC client of a brain at `addr` that presents `tls` (CA, certificate, key).
 pub async fn grpc_client(
     addr: SocketAddr,

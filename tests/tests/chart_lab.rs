@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use splitproxy_proto::v1::{Hello, ListNodesRequest, SyncRequest, sync_request};
+use splitproxy_tests::deploy::labelled;
 use splitproxy_tests::install::{InstallOptions, RbacEdit};
 use splitproxy_tests::lab::{Lab, LabOptions};
 use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
@@ -268,11 +269,7 @@ async fn the_installed_chart_serves_refuses_and_fails_over() {
 fn refused(lab: &Lab, brain: &str, reason: &str) -> f64 {
     let install = lab.install.as_ref().unwrap();
     let (_, text) = install.brain_http(brain, "/metrics").unwrap();
-    let series = format!("splitproxy_brain_refused_total{{reason=\"{reason}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+    labelled(&text, "splitproxy_brain_refused_total", "reason", reason)
 }
 
 /// `identity.mode=podCertificate`: every actuator's kubelet asks for a certificate with the
@@ -317,13 +314,12 @@ async fn pod_certificates_from_the_brains_identify_the_nodes() {
         assert_eq!(identity.groups, vec!["splitproxy:nodes".to_string()]);
     }
     let (_, metrics) = install.brain_http(&brain, "/metrics").unwrap();
-    let issued = metrics
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("splitproxy_brain_pod_certificates_total{outcome=\"issued\"} ")
-        })
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0);
+    let issued = labelled(
+        &metrics,
+        "splitproxy_brain_pod_certificates_total",
+        "outcome",
+        "issued",
+    );
     assert!(
         issued >= actuators.len() as f64,
         "issued {issued}:\n{metrics}"

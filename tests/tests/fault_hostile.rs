@@ -18,7 +18,7 @@ use splitproxy_proto::v1::{
 };
 use splitproxy_tests::Pod;
 use splitproxy_tests::certs::{CertPair, Pki, TlsFiles};
-use splitproxy_tests::deploy::grpc_client;
+use splitproxy_tests::deploy::{grpc_client, labelled};
 use splitproxy_tests::lab::{Lab, LabOptions};
 use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
 use tokio::io::AsyncReadExt;
@@ -82,15 +82,6 @@ async fn wait_in_sync(lab: &Lab, timeout: Duration) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// The value of `name{label="value"}` in a Prometheus text.
-fn labelled(text: &str, name: &str, label: &str, value: &str) -> f64 {
-    let prefix = format!("{name}{{{label}=\"{value}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {prefix} in the brain's metrics"))
 }
 
 /// Idle connections the test opens.

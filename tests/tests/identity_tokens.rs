@@ -27,7 +27,7 @@ use splitproxy_proto::v1::dataplane_client::DataplaneClient;
 use splitproxy_proto::v1::{ListNodesRequest, SyncRequest, Update, sync_request, update::Body};
 use splitproxy_tests::certs::{Pki, TlsFiles};
 use splitproxy_tests::controlplane::{ControlPlane, ControlPlaneOptions};
-use splitproxy_tests::deploy::{Brain, BrainOptions};
+use splitproxy_tests::deploy::{Brain, BrainOptions, labelled};
 use tokio_stream::StreamExt;
 use tonic::Code;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -103,15 +103,6 @@ fn refused<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> tonic::Status {
         Err(s) => s,
         Ok(v) => panic!("served: {v:?}"),
     }
-}
-
-/// The value of `name{label="value"}` in a Prometheus text.
-fn labelled(text: &str, name: &str, label: &str, value: &str) -> f64 {
-    let prefix = format!("{name}{{{label}=\"{value}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {prefix} in the brain's metrics"))
 }
 
 async fn create<K>(api: &Api<K>, value: serde_json::Value) -> K

@@ -31,6 +31,8 @@ mod controllers;
 mod kubelet;
 mod operator;
 
+pub use operator::{Bearer, BrainClient};
+
 use std::ffi::CString;
 use std::net::{IpAddr, SocketAddr};
 use std::os::unix::process::CommandExt;

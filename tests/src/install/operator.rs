@@ -2,6 +2,29 @@
 //! the brains' flags, CA and HTTP port.
 use super::*;
 
+/// A gRPC client of a brain pod, with the credential it was made with.
+pub type BrainClient = splitproxy_proto::v1::dataplane_client::DataplaneClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
+>;
+
+/// Sends `authorization: Bearer <token>` with every call, or nothing.
+#[derive(Clone)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(bearer) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", bearer.clone());
+        }
+        Ok(request)
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Operator {
     token: Option<String>,
@@ -60,17 +83,7 @@ impl Install {
     /// A gRPC client of brain pod `pod` as the lab's operator (a ServiceAccount bound to the
     /// chart's operator ClusterRole, its token for the brains' audience, the brains' published
     /// CA, the brains' server name), through a link from host loopback into the pod's node.
-    pub async fn operator_client(
-        &self,
-        pod: &str,
-    ) -> Result<
-        splitproxy_proto::v1::dataplane_client::DataplaneClient<
-            tonic::service::interceptor::InterceptedService<
-                tonic::transport::Channel,
-                impl tonic::service::Interceptor + use<>,
-            >,
-        >,
-    > {
+    pub async fn operator_client(&self, pod: &str) -> Result<BrainClient> {
         let token = {
             let mut operator = self.operator.lock().await;
             if operator.token.is_none() {
@@ -83,18 +96,7 @@ impl Install {
 
     /// A gRPC client of brain pod `pod` that presents `token` (or nothing) as a bearer token,
     /// over TLS verified with the brains' published CA.
-    pub async fn client_with_token(
-        &self,
-        pod: &str,
-        token: Option<&str>,
-    ) -> Result<
-        splitproxy_proto::v1::dataplane_client::DataplaneClient<
-            tonic::service::interceptor::InterceptedService<
-                tonic::transport::Channel,
-                impl tonic::service::Interceptor + use<>,
-            >,
-        >,
-    > {
+    pub async fn client_with_token(&self, pod: &str, token: Option<&str>) -> Result<BrainClient> {
         self.client_as(pod, token, None).await
     }
 
@@ -106,14 +108,7 @@ impl Install {
         pod: &str,
         holder: &str,
         volume: &str,
-    ) -> Result<
-        splitproxy_proto::v1::dataplane_client::DataplaneClient<
-            tonic::service::interceptor::InterceptedService<
-                tonic::transport::Channel,
-                impl tonic::service::Interceptor + use<>,
-            >,
-        >,
-    > {
+    ) -> Result<BrainClient> {
         let dir = self.dir.join(holder).join("volumes").join(volume);
         let identity = tonic::transport::Identity::from_pem(
             std::fs::read(dir.join("tls.crt"))?,
@@ -127,14 +122,7 @@ impl Install {
         pod: &str,
         token: Option<&str>,
         identity: Option<tonic::transport::Identity>,
-    ) -> Result<
-        splitproxy_proto::v1::dataplane_client::DataplaneClient<
-            tonic::service::interceptor::InterceptedService<
-                tonic::transport::Channel,
-                impl tonic::service::Interceptor + use<>,
-            >,
-        >,
-    > {
+    ) -> Result<BrainClient> {
         use tonic::transport::{Certificate, Channel, ClientTlsConfig};
         let addr = {
             let mut operator = self.operator.lock().await;
@@ -165,14 +153,7 @@ impl Install {
             .await?;
         let client = splitproxy_proto::v1::dataplane_client::DataplaneClient::with_interceptor(
             channel,
-            move |mut request: tonic::Request<()>| {
-                if let Some(bearer) = &bearer {
-                    request
-                        .metadata_mut()
-                        .insert("authorization", bearer.clone());
-                }
-                Ok(request)
-            },
+            Bearer(bearer),
         )
         .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE);
         Ok(client)
@@ -186,13 +167,7 @@ impl Install {
 
     /// The token the kubelet gave pod `pod` in its volume `volume` (file `token`).
     pub fn token_of(&self, pod: &str, volume: &str) -> Result<String> {
-        let path = self
-            .dir
-            .join(pod)
-            .join("volumes")
-            .join(volume)
-            .join("token");
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+        self.volume_file(pod, volume, "token")
     }
 
     /// GET `path` on brain pod `pod`'s health and metrics port, inside its node.
