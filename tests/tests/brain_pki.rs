@@ -339,6 +339,8 @@ const WRITES: [&str; 3] = [
 /// its CA file, and connects to every brain in `targets` every 200 ms; counts what it saw.
 struct RereadingClient {
     targets: Arc<Mutex<Vec<SocketAddr>>>,
+    /// Rounds completed: a round that started after `targets` changed knows the new targets.
+    rounds: Arc<AtomicU64>,
     ok: Arc<AtomicU64>,
     failures: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
@@ -348,12 +350,18 @@ struct RereadingClient {
 impl RereadingClient {
     fn start(client: kube::Client, targets: Vec<SocketAddr>, op: CertPair) -> RereadingClient {
         let targets = Arc::new(Mutex::new(targets));
+        let rounds = Arc::new(AtomicU64::new(0));
         let ok = Arc::new(AtomicU64::new(0));
         let failures = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let task = tokio::spawn({
-            let (targets, ok, failures, stop) =
-                (targets.clone(), ok.clone(), failures.clone(), stop.clone());
+            let (targets, rounds, ok, failures, stop) = (
+                targets.clone(),
+                rounds.clone(),
+                ok.clone(),
+                failures.clone(),
+                stop.clone(),
+            );
             async move {
                 // Bounded: stopped by the test, and at most 10 minutes in any case.
                 let deadline = Instant::now() + Duration::from_secs(600);
@@ -371,17 +379,33 @@ impl RereadingClient {
                             Err(e) => failures.lock().unwrap().push(format!("{addr}: {e}")),
                         }
                     }
+                    rounds.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
         });
         RereadingClient {
             targets,
+            rounds,
             ok,
             failures,
             stop,
             task,
         }
+    }
+
+    /// Stops connecting to `addr`, and returns once no connection to it can be in flight: the
+    /// round under way when it was removed may still have held it, so two rounds must end.
+    async fn forget(&self, addr: SocketAddr) {
+        self.targets.lock().unwrap().retain(|a| *a != addr);
+        let start = self.rounds.load(Ordering::Relaxed);
+        wait_until_async(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || async { self.rounds.load(Ordering::Relaxed) >= start + 2 },
+        )
+        .await
+        .expect("the rereading client goes on");
     }
 
     /// Stops it; returns the connections that succeeded and the failures.
@@ -652,11 +676,7 @@ async fn two_brains_share_one_managed_certificate_through_rotations_and_a_takeov
     )
     .await
     .expect("a renewal");
-    watcher
-        .targets
-        .lock()
-        .unwrap()
-        .retain(|a| *a != addrs[holder_i]);
+    watcher.forget(addrs[holder_i]).await;
     brains[holder_i]
         .child
         .signal(nix::sys::signal::Signal::SIGKILL)
