@@ -9,8 +9,9 @@
 #     bench  test + kube-controller-manager kwok
 #     all    bench
 #     cluster  etcd kube-apiserver kubelet kube-scheduler kube-controller-manager kubectl
-#            containerd containerd-shim-runc-v2 ctr crictl: what tools/cluster.sh runs (issue
-#            #11); not part of test, bench or all, and not built by tools/test.sh or CI.
+#            containerd containerd-shim-runc-v2 ctr crictl: what tools/cluster.sh runs (the
+#            chart's real-cluster test, tests/tests/cluster_helm.rs); tools/test.sh builds it
+#            too (about 15 minutes cold on 2 cores, once per version).
 #            runc and the CNI plugins come from Debian (tools/setup.sh cluster).
 #     NAME   any single binary of the above
 #

@@ -13,6 +13,18 @@
 #   tools/cluster.sh smoke           a pause pod and a host-network pause pod on every node;
 #                                    waits until each runs
 #   tools/cluster.sh env             prints the namespace and kubeconfig paths, for scripts
+#   tools/cluster.sh images [DIR]    imports splitproxy's images (tools/image.sh; default DIR
+#                                    $CARGO_TARGET_DIR/oci) into every node's containerd
+#   tools/cluster.sh tag TAG         tags every imported splitproxy image :TAG as well (on every
+#                                    node), e.g. to `helm upgrade` to a new tag
+#   tools/cluster.sh install [ARGS]  `helm upgrade --install` of charts/splitproxy as release
+#                                    `splitproxy` in namespace `splitproxy`, replacing kube-proxy
+#                                    (there is none), with the imported images; ARGS go to helm
+#   tools/cluster.sh cleanup         after `helm uninstall`: deletes splitproxy's tables on every
+#                                    node (README, "Uninstall"), as an operator would on each node
+#   tools/cluster.sh helm ARGS       helm against this cluster (run in the fabric namespace)
+#   tools/cluster.sh nft NODE ARGS   `nft ARGS` inside node NODE's namespace (e.g. `nft 0 list
+#                                    tables`): where the actuator of that node programs
 #
 # Needs root, the `cluster` binaries (tools/build-tools.sh cluster, cached by version), runc
 # and the CNI plugins from Debian (tools/setup.sh cluster).
@@ -25,11 +37,14 @@
 #                    namespace, because the kubelets live in node namespaces and cannot reach the
 #                    machine's loopback; reach it with `tools/cluster.sh kubectl`.
 #   <prefix>-node-i  eth0 192.168.77.(10+i)/24 (veth to br0), default route via the fabric; its
-#                    own containerd (own root, state, socket; cgroupfs; CNI bridge cni0 with pod
-#                    CIDR 10.244.i.0/24) and kubelet (node name node-i, cgroupfs driver,
+#                    own containerd (own root, state, socket; cgroupfs; CNI ptp: one routed veth
+#                    per pod, pod CIDR 10.244.i.0/24) and kubelet (node name node-i, cgroupfs driver,
 #                    failCgroupV1: false because this machine runs cgroup v1, cgroup root
 #                    /<prefix>-node-i). Routes to the other nodes' pod CIDRs go straight over the
-#                    fabric bridge. Host-network pods live in this namespace.
+#                    fabric bridge. Host-network pods live in this namespace. Routed veths rather
+#                    than a bridge: every pod packet, also between two pods of one node, crosses
+#                    the node's IP layer and so its nftables, as on a cloud provider's routed pod
+#                    network; a bridge would need bridge-netfilter for same-node Service traffic.
 #
 # The daemons enter the node's network namespace (nsenter --net). The kubelets also get a mount
 # namespace of their own, only to show them the machine-wide sysctls they insist on without
@@ -364,11 +379,9 @@ EOF
   "name": "splitproxy-cluster",
   "plugins": [
     {
-      "type": "bridge",
-      "bridge": "cni0",
-      "isGateway": true,
+      "type": "ptp",
       "ipMasq": false,
-      "hairpinMode": true,
+      "mtu": 1500,
       "ipam": {
         "type": "host-local",
         "dataDir": "$d/cni/ipam",
@@ -484,7 +497,7 @@ cmd_start() {
     [ -x "$bin/$b" ] || die "$bin/$b missing: run tools/build-tools.sh cluster"
   done
   [ -x /usr/sbin/runc ] || die "runc missing: run tools/setup.sh cluster"
-  [ -x /usr/lib/cni/bridge ] || die "CNI plugins missing: run tools/setup.sh cluster"
+  [ -x /usr/lib/cni/ptp ] || die "CNI plugins missing: run tools/setup.sh cluster"
   if [ -d "$dir" ] && [ -n "$(ls -A "$dir/pids" 2>/dev/null)$(cat "$dir/netns" 2>/dev/null)" ]; then
     die "$dir holds a running or unclean cluster: tools/cluster.sh stop first"
   fi
@@ -672,12 +685,112 @@ cmd_env() {
   for ((i = 0; i < n; i++)); do echo "NODE_${i}_NETNS=$(node_ns "$i") NODE_${i}_IP=$(node_ip "$i")"; done
 }
 
+# ---------------------------------------------------------------------------------------------
+# splitproxy on the cluster.
+
+release=splitproxy
+release_ns=splitproxy
+image_repo=localhost/splitproxy
+images=(splitproxy-brain splitproxy-actuator splitproxy-check splitproxy-echo)
+
+# Helm's caches and configuration under the state directory, not in $HOME.
+helm_admin() {
+  HELM_CACHE_HOME=$dir/helm/cache HELM_CONFIG_HOME=$dir/helm/config \
+    HELM_DATA_HOME=$dir/helm/data in_ns "$fabric" "$bin/helm" \
+    --kubeconfig "$dir/kubeconfig/admin" "$@"
+}
+
+# ctr against node INDEX's containerd, without its warning that cgroup v1 is deprecated.
+ctr_node() { # INDEX ARGS...
+  local i=$1; shift
+  "$bin/ctr" --address "$(node_dir "$i")/containerd.sock" -n k8s.io "$@" \
+    2> >(grep -v 'support for cgroup v1 is deprecated' >&2)
+}
+
+cmd_images() { # [DIR]
+  local oci=${1:-${CARGO_TARGET_DIR:-$here/../target}/oci} n i name
+  n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
+  for name in "${images[@]}"; do
+    [ -f "$oci/$name.oci.tar" ] || die "$oci/$name.oci.tar missing: run tools/image.sh --repository $image_repo"
+  done
+  for ((i = 0; i < n; i++)); do
+    for name in "${images[@]}"; do
+      ctr_node "$i" images import --local "$oci/$name.oci.tar" >/dev/null
+    done
+  done
+  say "imported ${images[*]} into $n nodes"
+  ctr_node 0 images ls -q | grep "^$image_repo/"
+}
+
+cmd_tag() { # TAG
+  local tag=${1:-} n i name version
+  [[ $tag =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || die "bad TAG '$tag'"
+  n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
+  version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml")
+  for ((i = 0; i < n; i++)); do
+    for name in "${images[@]}"; do
+      ctr_node "$i" images tag --force "$image_repo/$name:$version" "$image_repo/$name:$tag" \
+        >/dev/null
+    done
+  done
+  say "tagged ${images[*]} :$version as :$tag on $n nodes"
+}
+
+# The values that fit this cluster: no kube-proxy (so the API server's own address, not the
+# `kubernetes` ClusterIP), the local images never pulled, the pod CIDR, one brain per node up to
+# the chart's three (brains never share a node).
+cmd_install() { # [HELM ARGS]
+  local n version
+  n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
+  version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml")
+  helm_admin upgrade --install "$release" "$here/../charts/splitproxy" \
+    --namespace "$release_ns" --create-namespace \
+    --set kubeProxy.mode=replace --set k8sServiceHost="$api_ip" --set k8sServicePort=6443 \
+    --set image.brain.repository="$image_repo/splitproxy-brain" \
+    --set image.actuator.repository="$image_repo/splitproxy-actuator" \
+    --set helmTest.image.repository="$image_repo/splitproxy-check" \
+    --set image.pullPolicy=Never \
+    --set "proxy.clusterCIDRs={$cluster_cidr}" \
+    --set brain.replicas=$((n < 3 ? n : 3)) \
+    --wait --timeout 5m "$@"
+  say "splitproxy $version installed"
+  kubectl_admin -n "$release_ns" get pods -o wide
+}
+
+# What `helm uninstall` leaves on a node, and its documented removal (README, "Uninstall"): the
+# actuators exit without touching their tables (a restart must never leave a node without its
+# Services), so the last ruleset stays until deleted.
+cmd_cleanup() {
+  local n i family
+  n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
+  for ((i = 0; i < n; i++)); do
+    for family in ip ip6; do
+      if in_ns "$(node_ns "$i")" nft list table "$family" splitproxy >/dev/null 2>&1; then
+        in_ns "$(node_ns "$i")" nft delete table "$family" splitproxy
+        say "node-$i: deleted table $family splitproxy"
+      fi
+    done
+  done
+}
+
+cmd_nft() { # NODE ARGS
+  local i=$1; shift
+  [[ $i =~ ^[0-9]$ ]] || die "NODE is a node index (0, 1, ...)"
+  in_ns "$(node_ns "$i")" nft "$@"
+}
+
 case ${1:-} in
+  images) shift; cmd_images "$@" ;;
+  tag) shift; cmd_tag "$@" ;;
+  install) shift; cmd_install "$@" ;;
+  helm) shift; helm_admin "$@" ;;
+  nft) shift; cmd_nft "$@" ;;
+  cleanup) cmd_cleanup ;;
   start) shift; cmd_start "$@" ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   smoke) cmd_smoke ;;
   env) cmd_env ;;
   kubectl) shift; kubectl_admin "$@" ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

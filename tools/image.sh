@@ -4,7 +4,7 @@
 #
 #   tools/image.sh [--out DIR] [--repository REPO] [--no-build]
 #
-# For each of splitproxy-brain, splitproxy-actuator and splitproxy-check it writes
+# For each of splitproxy-brain, splitproxy-actuator, splitproxy-check and splitproxy-echo it writes
 #   DIR/<name>/              an OCI image layout (oci-layout, index.json, blobs/sha256/...)
 #   DIR/<name>.oci.tar       the same layout as one archive, for `skopeo copy oci-archive:...`,
 #                            `podman load -i` and `ctr images import`
@@ -22,6 +22,8 @@
 #     the kernel: nf_tables transactions and deleting conntrack entries over ctnetlink.
 #   - splitproxy-check (tests/src/bin/splitproxy-check.rs), as 65532, is the chart's `helm test`
 #     program: it passes when every actuator's node is in sync.
+#   - splitproxy-echo (tests/src/bin/splitproxy-echo.rs), as 65532, is the test server and client
+#     that tools/cluster.sh runs as pods on a real cluster: the lab's pod server and probe.
 #
 # Reproducible: the layer is a tar written with sorted entries, uid/gid 0, no user or group names
 # and every mtime set to SOURCE_DATE_EPOCH (default: the commit time of HEAD), compressed with
@@ -66,12 +68,14 @@ if ((build)); then
   RUSTFLAGS=$rustflags CFLAGS_x86_64_unknown_linux_gnu=$cflags CARGO_TARGET_DIR=$target_dir \
     cargo build --locked --release --target "$triple" \
       -p splitproxy-brain -p splitproxy-actuator -p splitproxy-tests \
-      --bin splitproxy-brain --bin splitproxy-actuator --bin splitproxy-check
+      --bin splitproxy-brain --bin splitproxy-actuator --bin splitproxy-check \
+      --bin splitproxy-echo
 fi
 bin_dir=$target_dir/$triple/release
 images=("splitproxy-brain=$bin_dir/splitproxy-brain=65532:65532=")
 images+=("splitproxy-actuator=$bin_dir/splitproxy-actuator=0:0=")
 images+=("splitproxy-check=$bin_dir/splitproxy-check=65532:65532=")
+images+=("splitproxy-echo=$bin_dir/splitproxy-echo=65532:65532=")
 
 version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml)
 commit=$(git rev-parse HEAD)

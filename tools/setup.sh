@@ -4,7 +4,7 @@
 # Go-built binaries (cached by version, so a warm run is instant).
 #   tools/setup.sh [test|bench|all|cluster]
 # (cluster: the real-cluster binaries of tools/cluster.sh, plus Debian's runc and CNI plugins;
-# nothing else installs those)
+# tools/test.sh runs both `test` and `cluster`)
 # (the test set includes kube-proxy: the benchmark's small-scale run is part of the tests)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,10 +21,10 @@ command -v skopeo >/dev/null || need+=(skopeo)
 # The benchmark's plots (also drawn by its small-scale test) need a font file, not fontconfig.
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 if [ "${1:-test}" = cluster ]; then
-  # containerd's OCI runtime and the pod network plugins (bridge, host-local, loopback in
+  # containerd's OCI runtime and the pod network plugins (ptp, host-local, loopback in
   # /usr/lib/cni) of tools/cluster.sh's nodes.
   command -v runc >/dev/null || need+=(runc)
-  [ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
+  [ -x /usr/lib/cni/ptp ] || need+=(containernetworking-plugins)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "[setup] installing Debian packages: ${need[*]}" >&2

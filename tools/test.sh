@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Runs every test of splitproxy on a fresh machine, as root: set-up (Debian packages, pinned
-# etcd/kube-apiserver/grpcurl built from the Go module proxy), formatting and lints, then the
-# whole workspace's tests (unit, kernel-in-namespace, API server, end to end).
+# etcd/kube-apiserver/grpcurl/helm and the real cluster's kubelet, containerd and friends, built
+# from the Go module proxy and cached by version), formatting and lints, then the whole
+# workspace's tests (unit, kernel-in-namespace, API server, end to end, the chart on a real
+# cluster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" -eq 0 ] || { echo "tests create network namespaces: run as root" >&2; exit 1; }
 start=$SECONDS
 tools/setup.sh test
+tools/setup.sh cluster
 echo "[test] set-up done in $((SECONDS - start)) s" >&2
 # Incremental caches double the size of target/ and only help edit-compile loops, not one run.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"

@@ -34,9 +34,11 @@
 #![deny(unsafe_code)]
 
 pub mod certs;
+pub mod cluster;
 pub mod controlplane;
 pub mod deploy;
 pub mod fixtures;
+pub mod images;
 pub mod install;
 pub mod lab;
 pub mod manifests;

@@ -176,6 +176,20 @@ impl Netns {
         Ok(Child::from_std(name, child, Some(log.to_path_buf())))
     }
 
+    /// A handle on a namespace someone else made and deletes (`/run/netns/NAME`), e.g. a node
+    /// of `tools/cluster.sh`; dropping it deletes nothing.
+    pub fn existing(name: &str) -> Result<Netns> {
+        let path = PathBuf::from("/run/netns").join(name);
+        if !path.exists() {
+            bail!("no network namespace {name}");
+        }
+        Ok(Netns {
+            name: name.to_string(),
+            path,
+            owned: false,
+        })
+    }
+
     /// A second handle on this namespace that does not delete it when dropped, for work that
     /// outlives a borrow (a background task); the owner still deletes it.
     pub fn handle(&self) -> Netns {

@@ -59,22 +59,23 @@ impl PodServer {
         ports_udp: &[u16],
     ) -> Result<PodServer> {
         let ns = ns.as_ref();
-        let tcp_ports = ports_tcp.to_vec();
-        let udp_ports = ports_udp.to_vec();
-        let (tcp, udp) = ns
-            .run(move || -> Result<_> {
-                let mut tcp = Vec::new();
-                for &port in &tcp_ports {
-                    tcp.extend(bind_pair(SockType::Stream, port)?);
-                }
-                let mut udp = Vec::new();
-                for &port in &udp_ports {
-                    udp.extend(bind_pair(SockType::Datagram, port)?);
-                }
-                Ok((tcp, udp))
-            })?
+        let (tcp_ports, udp_ports) = (ports_tcp.to_vec(), ports_udp.to_vec());
+        let sockets = ns
+            .run(move || bind_all(&tcp_ports, &udp_ports))?
             .with_context(|| format!("binding pod server {name} in {}", ns.name()))?;
+        PodServer::serve_sockets(name, sockets)
+    }
 
+    /// [`PodServer::start`] in the calling thread's own namespace: the server a container
+    /// image runs (`splitproxy-echo`), where the process already lives in the pod's namespace.
+    pub fn start_here(name: &str, ports_tcp: &[u16], ports_udp: &[u16]) -> Result<PodServer> {
+        let sockets =
+            bind_all(ports_tcp, ports_udp).with_context(|| format!("binding pod server {name}"))?;
+        PodServer::serve_sockets(name, sockets)
+    }
+
+    /// Serves bound sockets on a thread of its own.
+    fn serve_sockets(name: &str, (tcp, udp): (Vec<OwnedFd>, Vec<OwnedFd>)) -> Result<PodServer> {
         let tcp: Vec<std::net::TcpListener> = tcp.into_iter().map(Into::into).collect();
         let udp: Vec<std::net::UdpSocket> = udp.into_iter().map(Into::into).collect();
         let tcp_addrs = tcp
@@ -145,6 +146,19 @@ pub fn answer_line(name: &str, local: SocketAddr, peer: SocketAddr) -> String {
 
 fn nix_err(what: &str) -> impl Fn(nix::Error) -> anyhow::Error + '_ {
     move |e| anyhow::Error::from(std::io::Error::from(e)).context(what.to_string())
+}
+
+/// Binds every TCP and UDP port (both families): (TCP sockets, UDP sockets).
+fn bind_all(ports_tcp: &[u16], ports_udp: &[u16]) -> Result<(Vec<OwnedFd>, Vec<OwnedFd>)> {
+    let mut tcp = Vec::new();
+    for &port in ports_tcp {
+        tcp.extend(bind_pair(SockType::Stream, port)?);
+    }
+    let mut udp = Vec::new();
+    for &port in ports_udp {
+        udp.extend(bind_pair(SockType::Datagram, port)?);
+    }
+    Ok((tcp, udp))
 }
 
 /// Binds an IPv4 socket and an IPv6-only socket of type `ty` on `port` (the IPv6 one on the

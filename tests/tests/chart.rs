@@ -19,8 +19,8 @@ use serde_json::{Value, json};
 use splitproxy_tests::certs::Pki;
 use splitproxy_tests::controlplane::{ControlPlane, ControlPlaneOptions};
 use splitproxy_tests::deploy::{Brain, BrainOptions};
-use splitproxy_tests::manifests;
 use splitproxy_tests::tools;
+use splitproxy_tests::{images, manifests};
 
 /// The Kubernetes version the chart is rendered for: the API server the tests run.
 const KUBE_VERSION: &str = "1.37.2";
@@ -696,37 +696,6 @@ async fn check_rbac(cp: &ControlPlane, streaming: bool) {
     assert!(failures.is_empty(), "{mode}: {}", failures.join("\n"));
 }
 
-/// Runs tools/image.sh into `out`; returns its report lines (name, tag, digest, archive).
-fn build_images(out: &Path) -> Vec<Vec<String>> {
-    // A plain environment: the variables cargo sets for a test process would make the release
-    // build differ from one run by hand, and rebuild every time the two alternate.
-    let mut cmd = Command::new(tools::workspace_root().join("tools/image.sh"));
-    cmd.env_clear();
-    for var in [
-        "PATH",
-        "HOME",
-        "TMPDIR",
-        "CARGO_HOME",
-        "RUSTUP_HOME",
-        "CARGO_TARGET_DIR",
-        tools::CACHE_ENV,
-    ] {
-        if let Some(value) = std::env::var_os(var) {
-            cmd.env(var, value);
-        }
-    }
-    let output = cmd.arg("--out").arg(out).output().unwrap();
-    assert!(
-        output.status.success(),
-        "tools/image.sh failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|l| l.split_whitespace().map(String::from).collect())
-        .collect()
-}
-
 fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
@@ -751,9 +720,9 @@ fn is_root() -> bool {
 fn images_are_reproducible_static_and_labelled() {
     let a = tempfile::tempdir().unwrap();
     let b = tempfile::tempdir().unwrap();
-    let first = timed("tools/image.sh (first)", || build_images(a.path()));
-    let second = timed("tools/image.sh (second)", || build_images(b.path()));
-    assert_eq!(first.len(), 3, "brain, actuator, check: {first:?}");
+    let first = timed("tools/image.sh (first)", || images::build(a.path(), None));
+    let second = timed("tools/image.sh (second)", || images::build(b.path(), None));
+    assert_eq!(first.len(), 4, "brain, actuator, check, echo: {first:?}");
     for (x, y) in first.iter().zip(&second) {
         assert_eq!(x[..3], y[..3], "not reproducible");
         assert_eq!(
