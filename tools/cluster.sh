@@ -20,8 +20,8 @@
 #   tools/cluster.sh install [ARGS]  `helm upgrade --install` of charts/splitproxy as release
 #                                    `splitproxy` in namespace `splitproxy`, replacing kube-proxy
 #                                    (there is none), with the imported images; ARGS go to helm
-#   tools/cluster.sh cleanup         after `helm uninstall`: deletes splitproxy's tables on every
-#                                    node (README, "Uninstall"), as an operator would on each node
+#   tools/cluster.sh cleanup         after `helm uninstall`: `splitproxy-actuator --cleanup` in a
+#                                    `kubectl debug node` pod on every node (README, "Uninstall")
 #   tools/cluster.sh helm ARGS       helm against this cluster (run in the fabric namespace)
 #   tools/cluster.sh nft NODE ARGS   `nft ARGS` inside node NODE's namespace (e.g. `nft 0 list
 #                                    tables`): where the actuator of that node programs
@@ -759,17 +759,28 @@ cmd_install() { # [HELM ARGS]
 
 # What `helm uninstall` leaves on a node, and its documented removal (README, "Uninstall"): the
 # actuators exit without touching their tables (a restart must never leave a node without its
-# Services), so the last ruleset stays until deleted.
+# Services), so the last ruleset stays until deleted. Removed as a user without a shell on the
+# nodes would: `splitproxy-actuator --cleanup` in a node debugging pod (host network,
+# NET_ADMIN) on every node.
 cmd_cleanup() {
-  local n i family
+  local n i version pod phase
   n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
+  version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml")
   for ((i = 0; i < n; i++)); do
-    for family in ip ip6; do
-      if in_ns "$(node_ns "$i")" nft list table "$family" splitproxy >/dev/null 2>&1; then
-        in_ns "$(node_ns "$i")" nft delete table "$family" splitproxy
-        say "node-$i: deleted table $family splitproxy"
-      fi
-    done
+    # kubectl debug says "Creating debugging pod NAME with container ..." and returns.
+    pod=$(kubectl_admin debug "node/$(node_name "$i")" --profile=netadmin \
+      --image="$image_repo/splitproxy-actuator:$version" --image-pull-policy=Never \
+      -- splitproxy-actuator --cleanup 2>&1 | sed -n 's/^Creating debugging pod \([^ ]*\) .*/\1/p')
+    [ -n "$pod" ] || die "kubectl debug node/$(node_name "$i") made no pod"
+    pod_done() {
+      phase=$(kubectl_admin get pod "$pod" -o jsonpath='{.status.phase}')
+      [ "$phase" = Succeeded ] || [ "$phase" = Failed ]
+    }
+    wait_for "clean-up pod $pod" "$node_timeout" pod_done || phase=unknown
+    kubectl_admin logs "$pod" >&2 || true
+    kubectl_admin delete pod "$pod" --wait=false >/dev/null
+    [ "$phase" = Succeeded ] || die "clean-up on node-$i: pod $pod $phase"
+    say "node-$i: splitproxy's tables deleted"
   done
 }
 

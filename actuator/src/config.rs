@@ -49,8 +49,8 @@ pub struct Args {
     #[arg(long = "hostname-override", env = "NODE_NAME")]
     pub node_name: Option<String>,
     /// CA that signed the brain's certificate (PEM), read again at every connection.
-    #[arg(long)]
-    pub ca: PathBuf,
+    #[arg(long, required_unless_present = "cleanup")]
+    pub ca: Option<PathBuf>,
     /// Client certificate naming this node (PEM); with --tls-key. Read at every connection.
     #[arg(long)]
     pub tls_cert: Option<PathBuf>,
@@ -81,6 +81,11 @@ pub struct Args {
     /// (kernel is the truth, docs/invariants.md). `500ms`, `1s`, `2m`, or seconds.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
+    /// Delete this node's `ip` and `ip6` tables named --table (and nothing else), then exit:
+    /// what is left on a node after `helm uninstall` (kube-proxy's --cleanup). Every other
+    /// flag is ignored.
+    #[arg(long)]
+    pub cleanup: bool,
 }
 
 /// `500ms`, `10s`, `2m`, or a plain number of seconds; more than zero.
@@ -151,6 +156,8 @@ pub enum ConfigError {
     Hostname(io::Error),
     #[error("the hostname is empty; pass --hostname-override")]
     EmptyHostname,
+    #[error("--ca is required (the CA of the brains' certificate)")]
+    NoCa,
 }
 
 impl TryFrom<Args> for Config {
@@ -213,6 +220,7 @@ impl Config {
         if client_cert.is_none() && args.token_file.is_none() {
             return Err(ConfigError::NoCredential);
         }
+        let ca = args.ca.ok_or(ConfigError::NoCa)?;
         // Discovered addresses are IPs, which the brain's certificate does not name.
         let brain_server_name = args.brain_server_name.or_else(|| {
             discovery
@@ -225,7 +233,7 @@ impl Config {
             discovery,
             brain_server_name,
             credentials: Credentials {
-                ca: args.ca,
+                ca,
                 client_cert,
                 token_file: args.token_file,
             },
@@ -253,6 +261,18 @@ impl Config {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn cleanup_needs_no_brain_flags_and_everything_else_needs_the_ca() {
+        let a =
+            Args::try_parse_from(["splitproxy-actuator", "--cleanup", "--table", "sp"]).unwrap();
+        assert!(a.cleanup);
+        assert_eq!(a.table, "sp");
+        let e =
+            Args::try_parse_from(["splitproxy-actuator", "--brain", "https://b:9443"]).unwrap_err();
+        assert!(e.to_string().contains("--ca"), "{e}");
+        assert!(!args(&[]).cleanup);
+    }
 
     fn args(extra: &[&str]) -> Args {
         let base = [

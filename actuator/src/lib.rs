@@ -3,6 +3,7 @@
 
 pub mod after_commit;
 pub mod apply;
+pub mod cleanup;
 pub mod client;
 pub mod config;
 pub mod conntrack;
