@@ -150,3 +150,6 @@ impl NodeSend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

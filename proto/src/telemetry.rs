@@ -95,6 +95,7 @@ pub fn init(format: &str, service: &'static str) -> Telemetry {
             .with_location(false)
             .with_threads(false)
             .with_target(false)
+            .with_tracked_inactivity(false)
             .with_filter(otel_filter())
     });
     tracing_subscriber::registry()
