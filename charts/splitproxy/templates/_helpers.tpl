@@ -70,6 +70,25 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/* The environment that points a component at the API server directly (k8sServiceHost). */}}
+{{/*
+OpenTelemetry (docs/observability.md), with `tracing.endpoint` set; `resource` is an
+OTEL_RESOURCE_ATTRIBUTES value naming the pod or node (variables defined before it expand).
+*/}}
+{{- define "splitproxy.tracingEnv" -}}
+{{- with .root.Values.tracing }}
+{{- if .endpoint }}
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .sampleRatio | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ $.resource | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- define "splitproxy.apiServerEnv" -}}
 {{- if .Values.k8sServiceHost }}
 # The API server directly: the kubernetes ClusterIP needs a working Service proxy.
