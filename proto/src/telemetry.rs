@@ -81,8 +81,6 @@ pub fn init(format: &str, service: &'static str) -> Telemetry {
     } else {
         None
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = if format == "json" {
         fmt.json().boxed()
@@ -99,13 +97,25 @@ pub fn init(format: &str, service: &'static str) -> Telemetry {
             .with_filter(otel_filter())
     });
     tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
+        .with(fmt.with_filter(log_filter()))
         .with(otel)
         .init();
     if provider.is_some() {
         tracing::info!(service, "OpenTelemetry tracing on (OTLP gRPC)");
     }
     Telemetry { provider }
+}
+
+/// What the log output shows: `RUST_LOG` (default `info`), never the spans of [`TARGET`]. Those
+/// are for the OpenTelemetry layer alone, so that without it no layer wants them and they cost
+/// nothing.
+pub fn log_filter() -> tracing_subscriber::EnvFilter {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    match format!("{TARGET}=off").parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    }
 }
 
 /// What the OpenTelemetry layer sees: our spans, and the log events (info and above) emitted
@@ -268,5 +278,26 @@ mod tests {
         // Off: no subscriber wants the span, so there is nothing to send.
         let span = tracing::info_span!(target: TARGET, "off");
         assert_eq!(traceparent(&span), None);
+    }
+
+    #[test]
+    fn the_log_output_never_wants_our_spans() {
+        use tracing_subscriber::layer::SubscriberExt;
+        // As a process without OpenTelemetry is set up: the log output only.
+        let logs = tracing_subscriber::registry().with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::sink)
+                .with_filter(log_filter()),
+        );
+        tracing::subscriber::with_default(logs, || {
+            let ours = tracing::info_span!(target: TARGET, "api.change");
+            assert!(ours.is_disabled(), "no layer wants it: it costs nothing");
+            assert_eq!(sampled(&ours), None);
+            let theirs = tracing::info_span!(target: "splitproxy_brain::watch", "other");
+            assert!(
+                !theirs.is_disabled(),
+                "other info spans are logged as before"
+            );
+        });
     }
 }
