@@ -304,7 +304,7 @@ fn tracing_values_set_the_standard_otel_variables_on_both() {
         "kube-system",
         &[
             "--set",
-            "tracing.endpoint=http://collector.observability:4317",
+            "tracing.endpoint=http://$(HOST_IP):4317",
             "--set",
             "tracing.sampleRatio=0.25",
         ],
@@ -318,7 +318,7 @@ fn tracing_values_set_the_standard_otel_variables_on_both() {
         let get = |k: &str| env.get(k).map(String::as_str);
         assert_eq!(
             get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
-            Some("http://collector.observability:4317"),
+            Some("http://$(HOST_IP):4317"),
             "{kind}"
         );
         assert_eq!(get("OTEL_TRACES_SAMPLER"), Some("parentbased_traceidratio"));

@@ -75,18 +75,22 @@ OpenTelemetry (docs/observability.md), with `tracing.endpoint` set; `resource` i
 OTEL_RESOURCE_ATTRIBUTES value naming the pod or node (variables defined before it expand).
 */}}
 {{- define "splitproxy.tracingEnv" -}}
-{{- with .root.Values.tracing }}
-{{- if .endpoint }}
+{{- $tracing := .root.Values.tracing -}}
+{{- if $tracing.endpoint -}}
+# The node's address, for an endpoint on the node: `http://$(HOST_IP):4317`.
+- name: HOST_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.hostIP
 - name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
-  value: {{ .endpoint | quote }}
+  value: {{ $tracing.endpoint | quote }}
 - name: OTEL_TRACES_SAMPLER
   value: parentbased_traceidratio
 - name: OTEL_TRACES_SAMPLER_ARG
-  value: {{ .sampleRatio | quote }}
+  value: {{ $tracing.sampleRatio | quote }}
 - name: OTEL_RESOURCE_ATTRIBUTES
-  value: {{ $.resource | quote }}
-{{- end }}
-{{- end }}
+  value: {{ .resource | quote }}
+{{- end -}}
 {{- end -}}
 
 {{- define "splitproxy.apiServerEnv" -}}
