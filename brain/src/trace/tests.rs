@@ -210,3 +210,76 @@ fn changes_folded_into_one_publication_are_linked() {
         .collect();
     assert_eq!(linked, [other.span_context.span_id()]);
 }
+
+/// A made-up sampled span context (the brain's own, as a publication's would be).
+fn context(span: u64) -> SpanContext {
+    use opentelemetry::trace::{SpanId, TraceFlags, TraceId, TraceState};
+    SpanContext::new(
+        TraceId::from(u128::from(span) << 64 | 7),
+        SpanId::from(span),
+        TraceFlags::SAMPLED,
+        false,
+        TraceState::default(),
+    )
+}
+
+#[test]
+fn a_node_behind_several_traced_publications_continues_the_newest_and_links_the_others() {
+    let fanout = Fanout::new(Arc::new(Metrics::default()), 4, 1024);
+    let model = |n: u32| {
+        let mut m = Model::default();
+        m.apply(&splitproxy_proto::v1::RulesetDelta {
+            upsert: vec![splitproxy_proto::v1::Table {
+                family: splitproxy_proto::v1::Family::Ip as i32,
+                name: format!("t{n}"),
+                ..Default::default()
+            }],
+            remove: vec![],
+        });
+        Arc::new(m)
+    };
+    let publish =
+        |n: u32, trace| fanout.publish_traced(model(n), Default::default(), vec![], vec![], trace);
+    assert_eq!(publish(1, None), Some(1));
+    let Some(Next::Send(_, base)) = fanout.next_update("n1", None, &fanout.publication()) else {
+        panic!("a snapshot")
+    };
+    assert_eq!(publish(2, Some(context(2))), Some(2));
+    assert_eq!(publish(3, Some(context(3))), Some(3));
+    assert_eq!(publish(4, None), Some(4));
+    assert_eq!(fanout.traces_between(1, 4), [context(3), context(2)]);
+    assert_eq!(fanout.traces_between(3, 4), []);
+    assert_eq!(fanout.traces_between(0, 1), []);
+
+    let (subscriber, provider, exporter) = traced(Sampler::AlwaysOn);
+    let traceparent = tracing::subscriber::with_default(subscriber, || {
+        let Some(Next::Send(mut frames, _)) =
+            fanout.next_update("n1", Some(&base), &fanout.publication())
+        else {
+            panic!("a delta from version 1 to 4")
+        };
+        drop(node_send(&fanout, "n1", Some(1), 4, &mut frames).unwrap());
+        decoded(&frames).traceparent
+    });
+    provider.force_flush().unwrap();
+    let spans = exporter.get_finished_spans().unwrap();
+    let [send] = named(&spans, "brain.send")[..] else {
+        panic!("{spans:#?}")
+    };
+    assert_eq!(
+        send.parent_span_id,
+        context(3).span_id(),
+        "the newest traced one"
+    );
+    assert_eq!(send.span_context.trace_id(), context(3).trace_id());
+    let linked: Vec<_> = send.links.iter().map(|l| l.span_context.clone()).collect();
+    assert_eq!(linked, [context(2)]);
+    assert_eq!(
+        traceparent,
+        format!(
+            "00-{}-{}-01",
+            context(3).trace_id(),
+            send.span_context.span_id()
+        )
+    );
+}
