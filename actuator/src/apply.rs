@@ -89,6 +89,10 @@ pub struct Outcome {
     /// nothing (the node held its content already, e.g. after a reconnect) programmed nothing,
     /// so its trigger times are no network programming latency.
     pub changed: bool,
+    /// The committed transaction's size: netlink messages and bytes (0 when nothing changed),
+    /// for the apply's span (trace.rs).
+    pub messages: usize,
+    pub bytes: usize,
     /// UDP conntrack entries the commit left stale (see conntrack.rs).
     pub conntrack: conntrack::Plan,
     /// Guarded map entries the commit left to delete (see guards.rs).
@@ -224,6 +228,7 @@ impl<K: Kernel> Applier<K> {
         }
         let start = Instant::now();
         let changed = !batch.is_empty();
+        let (messages, bytes) = (batch.len(), batch.byte_len());
         if changed {
             if let Err(e) = self.kernel.commit(&batch) {
                 self.refused(&e);
@@ -251,6 +256,8 @@ impl<K: Kernel> Applier<K> {
         Ok(Outcome {
             took,
             changed,
+            messages,
+            bytes,
             conntrack,
             guards,
             model: self.model.clone(),

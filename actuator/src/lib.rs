@@ -17,5 +17,12 @@ pub(crate) mod netlink;
 pub mod nft;
 pub mod reconcile;
 pub mod run;
+pub mod trace;
 
 pub use splitproxy_proto::process::init_logging;
+
+/// Logging, and OpenTelemetry tracing when the OTEL_* environment asks for it
+/// (docs/observability.md), for the actuator's process; inside the Tokio runtime.
+pub fn init_telemetry(format: &str) -> splitproxy_proto::telemetry::Telemetry {
+    splitproxy_proto::telemetry::init(format, "splitproxy-actuator")
+}

@@ -110,6 +110,9 @@ struct Change {
     published: Instant,
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
+    /// The publication's span, when its trace is sampled: node sends continue it
+    /// (crate::trace).
+    trace: Option<opentelemetry::trace::SpanContext>,
 }
 
 /// A node as the brain sees it.
@@ -214,6 +217,9 @@ pub struct Fanout {
     pub snapshot_permits: Arc<tokio::sync::Semaphore>,
     /// Set elements per message; larger bodies are split into parts.
     part_elements: usize,
+    /// The newest version whose publication is traced (0: none), so that a node's send looks
+    /// for trace contexts only when there can be one ([`Fanout::traces_between`]).
+    newest_traced: std::sync::atomic::AtomicU64,
 }
 
 impl Fanout {
@@ -246,6 +252,7 @@ impl Fanout {
                 max_concurrent_snapshots.max(1),
             )),
             part_elements: part_elements.max(1),
+            newest_traced: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -260,20 +267,38 @@ impl Fanout {
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
     ) {
+        self.publish_traced(shared, overlays, trigger_times, objects, None);
+    }
+
+    /// [`Fanout::publish`] with the context of the publication's span when its trace is
+    /// sampled: every node's send of it continues that trace (crate::trace). The version
+    /// published; `None` when nothing changed.
+    pub fn publish_traced(
+        &self,
+        shared: Arc<Model>,
+        overlays: imbl::HashMap<String, Arc<Model>>,
+        trigger_times: Vec<prost_types::Timestamp>,
+        objects: Vec<String>,
+        trace: Option<opentelemetry::trace::SpanContext>,
+    ) -> Option<u64> {
         let current = self.publication_tx.borrow().clone();
         let unchanged = current.version > 0
             && current.shared.digest() == shared.digest()
             && current.overlays.ptr_eq(&overlays);
         if unchanged {
-            return;
+            return None;
         }
         let version = current.version + 1;
+        if trace.is_some() {
+            self.newest_traced.store(version, Ordering::Relaxed);
+        }
         if let Ok(mut log) = self.changes.lock() {
             log.push_back(Change {
                 version,
                 published: Instant::now(),
                 trigger_times,
                 objects,
+                trace,
             });
             while log.len() > CHANGE_LOG {
                 log.pop_front();
@@ -313,6 +338,27 @@ impl Fanout {
         });
         self.history.record(publication.clone());
         self.publication_tx.send_replace(publication);
+        Some(version)
+    }
+
+    /// The sampled trace contexts of the publications after `after` up to `upto`, newest
+    /// first: what an update between those versions folds in. One atomic load when none of
+    /// them is traced (tracing off, or nothing sampled lately).
+    pub fn traces_between(&self, after: u64, upto: u64) -> Vec<opentelemetry::trace::SpanContext> {
+        if self.newest_traced.load(Ordering::Relaxed) <= after {
+            return Vec::new();
+        }
+        let mut traces = Vec::new();
+        if let Ok(log) = self.changes.lock()
+            && let Some(first) = log.front().map(|c| c.version)
+        {
+            let start = (after + 1).saturating_sub(first) as usize;
+            let end = (upto + 1).saturating_sub(first) as usize;
+            for c in log.range(start.min(log.len())..end.min(log.len())).rev() {
+                traces.extend(c.trace.clone());
+            }
+        }
+        traces
     }
 
     /// Marks the brain ready to serve (every initial list done) or stale (relisting).

@@ -23,6 +23,13 @@ pub mod server;
 pub mod service_view;
 pub mod tls;
 pub mod tokens;
+pub mod trace;
 pub mod watch;
 
 pub use splitproxy_proto::process::init_logging;
+
+/// Logging, and OpenTelemetry tracing when the OTEL_* environment asks for it
+/// (docs/observability.md), for the brain's process; inside the Tokio runtime.
+pub fn init_telemetry(format: &str) -> splitproxy_proto::telemetry::Telemetry {
+    splitproxy_proto::telemetry::init(format, "splitproxy-brain")
+}

@@ -506,7 +506,7 @@ async fn session(
             ),
             Some(_) => None,
         };
-        let (frames, target) = match fanout.next_update(node, base.as_ref(), &desired) {
+        let (mut frames, target) = match fanout.next_update(node, base.as_ref(), &desired) {
             Some(Next::Send(frames, target)) => (frames, target),
             other => {
                 if let Some(Next::Current(held)) = other {
@@ -521,6 +521,14 @@ async fn session(
         };
         let generation = frames.first().map(|f| f.generation).unwrap_or_default();
         let parts = frames.len();
+        // Only for a sampled change: its trace context goes to the node with the update.
+        let traced = crate::trace::node_send(
+            fanout,
+            node,
+            base.as_ref().map(|b| b.version),
+            target.version,
+            &mut frames,
+        );
         tracing::debug!(
             node,
             generation,
@@ -543,6 +551,9 @@ async fn session(
             Ok(other) => return unexpected(other),
         };
         let ack = bounded_ack(ack);
+        if let Some(t) = traced {
+            t.ack(node, &ack);
+        }
         if ack.generation != generation {
             return Err(Status::invalid_argument(format!(
                 "ack for generation {} while {} is outstanding",

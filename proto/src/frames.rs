@@ -71,6 +71,20 @@ pub fn encode_node_part(body: Body, digest: Vec<u8>) -> Bytes {
     )
 }
 
+/// Adds the trace context of the span that sends `frame` (field `traceparent`) to its node's
+/// own part. Only sampled traces reach this (docs/observability.md); nothing else ever pays for
+/// the field, and the shared bytes stay shared.
+pub fn set_traceparent(frame: &mut UpdateFrame, traceparent: String) {
+    let field = Update {
+        traceparent,
+        ..Default::default()
+    };
+    let mut extra = Vec::with_capacity(frame.extra.len() + field.encoded_len());
+    extra.extend_from_slice(&frame.extra);
+    field.encode_raw(&mut extra);
+    frame.extra = Bytes::from(extra);
+}
+
 impl Message for UpdateFrame {
     fn encode_raw(&self, buf: &mut impl BufMut) {
         if self.brain_epoch != 0 {
@@ -170,6 +184,19 @@ mod tests {
         assert_eq!(u.objects, vec!["EndpointSlice a/b".to_string()]);
         assert_eq!(u.digest, vec![1, 2, 3]);
         assert!(!u.more);
+        assert!(u.traceparent.is_empty(), "no trace context unless set");
+        // A trace context joins the node's part; the rest decodes as before.
+        let own = encode_node_part(Body::Delta(RulesetDelta::default()), vec![1, 2, 3]);
+        let tail = encode_tail(vec![], vec!["Service a/b".into()]);
+        let mut traced = frame(tail, own);
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        set_traceparent(&mut traced, tp.into());
+        let u = decode(&traced);
+        assert_eq!(u.traceparent, tp);
+        assert_eq!(
+            (u.digest.as_slice(), u.objects.len()),
+            (&[1u8, 2, 3][..], 1)
+        );
         // An empty shared delta has no parts; a snapshot part decodes as a snapshot.
         assert!(encode_parts(Body::Delta(RulesetDelta::default()), 1000).is_empty());
         let mut parts = encode_parts(Body::Snapshot(Ruleset::default()), 1000);

@@ -9,6 +9,7 @@ pub mod model;
 pub mod parts;
 pub mod process;
 pub mod render;
+pub mod telemetry;
 pub mod transport;
 
 #[allow(clippy::all, missing_docs)]

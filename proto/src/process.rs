@@ -3,12 +3,11 @@
 //! benchmark binaries all depend on.
 
 /// Installs the tracing subscriber on stderr: `RUST_LOG` filters (default `info`), `format` is
-/// "text" or "json".
+/// "text" or "json". No OpenTelemetry (the brain and the actuator use
+/// [`crate::telemetry::init`]).
 pub fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(crate::telemetry::log_filter())
         .with_writer(std::io::stderr);
     if format == "json" {
         builder.json().init();

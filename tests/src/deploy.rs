@@ -66,6 +66,8 @@ pub struct BrainOptions {
     /// instead of serving the certificate [`Brain::start`] writes; clients still present
     /// certificates from the test's `Pki` (`--client-ca`).
     pub managed_tls: Option<ManagedTls>,
+    /// Environment variables set for the brain's process (e.g. the OTEL_* of a trace receiver).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for BrainOptions {
@@ -78,6 +80,7 @@ impl Default for BrainOptions {
             surface,
             extra_args: Vec::new(),
             managed_tls: None,
+            env: Vec::new(),
         }
     }
 }
@@ -153,7 +156,8 @@ impl Brain {
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            );
+            )
+            .envs(opts.env.iter().map(|(k, v)| (k, v)));
         let child = Child::spawn(name, cmd, &dir.join(format!("{name}.log")))?;
         // The brain writes the addresses it bound, so no other process's port can be mistaken
         // for it.
@@ -188,6 +192,16 @@ impl Brain {
     }
 }
 
+/// How an actuator is started besides its node, brains and certificates.
+#[derive(Debug, Clone, Default)]
+pub struct ActuatorOptions {
+    /// Environment variables set for its process (e.g. the OTEL_* of a trace receiver).
+    pub env: Vec<(String, String)>,
+    /// More forwarders from the node namespace to host loopback, `(inside, target)`: how an
+    /// actuator reaches a service of the harness (a trace receiver) at `inside`.
+    pub forwards: Vec<(SocketAddr, SocketAddr)>,
+}
+
 /// An actuator process inside a node namespace.
 pub struct Actuator {
     pub node: String,
@@ -209,6 +223,19 @@ impl Actuator {
         pki: &Pki,
         dir: &Path,
     ) -> Result<Actuator> {
+        Self::start_with(exe, ns, node, brains, pki, dir, &ActuatorOptions::default())
+    }
+
+    /// [`Actuator::start`] with `opts`.
+    pub fn start_with(
+        exe: &Path,
+        ns: &Netns,
+        node: &str,
+        brains: &[SocketAddr],
+        pki: &Pki,
+        dir: &Path,
+        opts: &ActuatorOptions,
+    ) -> Result<Actuator> {
         std::fs::create_dir_all(dir)?;
         let tls = pki.write(dir, &format!("actuator-{node}"), &pki.node_cert(node)?)?;
         let mut forwarders = Vec::new();
@@ -217,6 +244,9 @@ impl Actuator {
             let local = SocketAddr::from(([127, 0, 0, 1], brain_port_in_node(i)));
             forwarders.push(forward_port(ns, local, *b).context("forwarding to the brain")?);
             urls.push(format!("https://{local}"));
+        }
+        for (inside, target) in &opts.forwards {
+            forwarders.push(forward_port(ns, *inside, *target).context("forwarding")?);
         }
         let mut cmd = Command::new(exe);
         cmd.arg("actuator")
@@ -237,7 +267,8 @@ impl Actuator {
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            );
+            )
+            .envs(opts.env.iter().map(|(k, v)| (k, v)));
         let log = dir.join(format!("actuator-{node}.log"));
         let child = ns.spawn(&format!("actuator-{node}"), cmd, &log)?;
         Ok(Actuator {

@@ -44,8 +44,8 @@ use crate::Result;
 use crate::certs::Pki;
 use crate::controlplane::{ControlPlane, ControlPlaneOptions};
 use crate::deploy::{
-    ACTUATOR_HEALTHZ, ACTUATOR_METRICS, Actuator, Brain, BrainOptions, DetectLocalMode,
-    RulesConfig, http_get_in,
+    ACTUATOR_HEALTHZ, ACTUATOR_METRICS, Actuator, ActuatorOptions, Brain, BrainOptions,
+    DetectLocalMode, RulesConfig, http_get_in,
 };
 use crate::netns::Netns;
 use crate::podserver::PodServer;
@@ -181,6 +181,8 @@ pub struct LabOptions {
     pub install: Option<crate::install::InstallOptions>,
     /// How long [`Lab::start`] waits for every actuator to be ready.
     pub ready_timeout: Duration,
+    /// How the actuators are started (environment, forwarders to the harness's services).
+    pub actuator: ActuatorOptions,
 }
 
 impl LabOptions {
@@ -212,6 +214,7 @@ impl LabOptions {
             dir: None,
             install: None,
             ready_timeout: Duration::from_secs(60),
+            actuator: ActuatorOptions::default(),
         }
     }
 
@@ -448,13 +451,14 @@ impl Lab {
         }
         for i in 0..self.cluster.nodes().len() {
             let node = self.cluster.node(i);
-            let a = Actuator::start(
+            let a = Actuator::start_with(
                 &self.opts.exe,
                 node.netns(),
                 node.name(),
                 &self.brain_addrs,
                 &self.pki,
                 &self.dir,
+                &self.opts.actuator,
             )?;
             self.actuators.push(a);
         }
@@ -583,13 +587,14 @@ impl Lab {
     pub fn start_actuator(&mut self, i: usize) -> Result<()> {
         let node = self.cluster.node(i);
         self.actuators[i].forwarders.clear(); // free the forwarded ports for the new process
-        self.actuators[i] = Actuator::start(
+        self.actuators[i] = Actuator::start_with(
             &self.opts.exe,
             node.netns(),
             node.name(),
             &self.brain_addrs,
             &self.pki,
             &self.dir,
+            &self.opts.actuator,
         )?;
         Ok(())
     }

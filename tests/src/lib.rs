@@ -24,6 +24,7 @@
 //! - [`certs`] issues the CA, server and client certificates for mTLS and the API server,
 //! - [`portfwd`] lets processes inside a namespace reach listeners on host loopback,
 //! - [`process`] keeps spawned processes from outliving the test and offers wait helpers,
+//! - [`otlp`] receives the OpenTelemetry traces brains and actuators export (OTLP gRPC),
 //! - [`traffic`] keeps a bounded loop of new connections running while a fault test breaks things.
 //!
 //! Safety: everything that touches interfaces, routes, sysctls or nftables happens inside
@@ -43,6 +44,7 @@ pub mod install;
 pub mod lab;
 pub mod manifests;
 pub mod netns;
+pub mod otlp;
 pub mod podserver;
 pub mod portfwd;
 pub mod probe;

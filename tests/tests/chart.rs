@@ -272,6 +272,70 @@ fn container_args(yaml: &str, kind: &str) -> Vec<String> {
         .collect()
 }
 
+/// The environment of the first container of the first `kind` object in `yaml`, by name
+/// (plain values only).
+fn container_env(yaml: &str, kind: &str) -> BTreeMap<String, String> {
+    let obj = manifests::documents(yaml)
+        .unwrap()
+        .into_iter()
+        .find(|o| o.types.as_ref().is_some_and(|t| t.kind == kind))
+        .unwrap();
+    obj.data["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.into(), e["value"].as_str()?.into())))
+        .collect()
+}
+
+/// `tracing.endpoint` turns OpenTelemetry on in both programs through the standard variables
+/// (docs/observability.md); without it neither gets any OTEL_* variable, so both stay off.
+#[test]
+fn tracing_values_set_the_standard_otel_variables_on_both() {
+    let off = template("kube-system", &[]).unwrap();
+    for kind in ["Deployment", "DaemonSet"] {
+        let env = container_env(&off, kind);
+        assert!(
+            !env.keys().any(|k| k.starts_with("OTEL_")),
+            "{kind}: {env:?}"
+        );
+    }
+    let on = template(
+        "kube-system",
+        &[
+            "--set",
+            "tracing.endpoint=http://$(HOST_IP):4317",
+            "--set",
+            "tracing.sampleRatio=0.25",
+        ],
+    )
+    .unwrap();
+    for (kind, resource) in [
+        ("Deployment", "k8s.pod.name=$(POD_NAME)"),
+        ("DaemonSet", "k8s.node.name=$(NODE_NAME)"),
+    ] {
+        let env = container_env(&on, kind);
+        let get = |k: &str| env.get(k).map(String::as_str);
+        assert_eq!(
+            get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+            Some("http://$(HOST_IP):4317"),
+            "{kind}"
+        );
+        assert_eq!(get("OTEL_TRACES_SAMPLER"), Some("parentbased_traceidratio"));
+        assert_eq!(get("OTEL_TRACES_SAMPLER_ARG"), Some("0.25"));
+        assert_eq!(get("OTEL_RESOURCE_ATTRIBUTES"), Some(resource));
+    }
+    // `--set` makes 0.25 a string; a number works as well.
+    template("kube-system", &["--set-json", "tracing.sampleRatio=0.5"]).unwrap();
+    let refused = template("kube-system", &["--set", "tracing.sampleRatio=2"]);
+    assert!(refused.is_err(), "a ratio above 1 is refused");
+    let refused = template("kube-system", &["--set", "tracing.endpoint=collector:4317"]);
+    assert!(
+        refused.is_err(),
+        "an endpoint without its scheme is refused"
+    );
+}
+
 #[test]
 fn rendered_command_lines_are_the_binaries_flags() {
     use clap::Parser;

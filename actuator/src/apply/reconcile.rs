@@ -238,6 +238,8 @@ impl<K: Kernel> Applier<K> {
         Outcome {
             took: Duration::ZERO,
             changed: true,
+            messages: 0,
+            bytes: 0,
             conntrack: conntrack::Plan::resync(&self.model),
             guards: guards::Plan::between(&self.model, &self.model),
             model: self.model.clone(),
@@ -268,6 +270,8 @@ impl<K: Kernel> Applier<K> {
         Ok(Some(Outcome {
             took: start.elapsed(),
             changed: false,
+            messages: 0,
+            bytes: 0,
             // Endpoints may have gone while no actuator ran.
             conntrack: conntrack::Plan::resync(&self.model),
             guards: guards::Plan::between(&self.model, &self.model),

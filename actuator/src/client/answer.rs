@@ -28,12 +28,20 @@ pub(super) async fn apply<K: Kernel + Send + 'static>(
     applier: &Arc<Mutex<Applier<K>>>,
     health: &Arc<Health>,
 ) -> (Ack, Option<Outcome>) {
-    let (generation, snapshot) = match &work {
-        Work::Update(u) => (u.generation, matches!(u.body, Some(Body::Snapshot(_)))),
-        Work::Snapshot(u, _) => (u.generation, true),
+    let (generation, snapshot, traceparent) = match &work {
+        Work::Update(u) => (
+            u.generation,
+            matches!(u.body, Some(Body::Snapshot(_))),
+            &u.traceparent,
+        ),
+        Work::Snapshot(u, _) => (u.generation, true, &u.traceparent),
     };
+    // The brain's trace of the change continues here when it sent one (sampled changes only).
+    let span = crate::trace::apply_span(traceparent, generation, snapshot);
+    let in_span = span.clone();
     let applier = applier.clone();
     let (update, result) = tokio::task::spawn_blocking(move || {
+        let _entered = in_span.as_ref().map(|s| s.enter());
         let Ok(mut a) = applier.lock() else {
             return (Update::default(), Err(ApplyError::Panicked));
         };
@@ -80,6 +88,9 @@ pub(super) async fn apply<K: Kernel + Send + 'static>(
                     health.metrics.network_programming(latency);
                 }
             }
+            if let Some(span) = &span {
+                crate::trace::applied(span, &outcome);
+            }
             tracing::info!(generation, snapshot, ?took, objects = ?update.objects, "applied update");
             let ack = Ack {
                 generation,
@@ -94,6 +105,9 @@ pub(super) async fn apply<K: Kernel + Send + 'static>(
             health
                 .apply_failing
                 .store(true, std::sync::atomic::Ordering::Relaxed);
+            if let Some(span) = &span {
+                crate::trace::failed(span, &e.to_string());
+            }
             tracing::error!(generation, snapshot, error = %e, "update failed; previous rules stay in place");
             (nack(generation, &e), None)
         }

@@ -28,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::objects::{self, ObjectKey};
 use crate::overlay::Overlays;
 use crate::rules::RulesConfig;
+use crate::trace::{self, Change};
 
 /// One watch event of a resource the index follows. Boxed: events carry whole objects of very
 /// different sizes.
@@ -71,6 +72,9 @@ pub struct Indexer {
     /// Trigger times and names of the objects changed since the last publication.
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
+    /// The sampled traces of those changes (crate::trace), at most [`trace::MAX_LINKS`]: the
+    /// next publication continues them.
+    traces: Vec<opentelemetry::trace::SpanContext>,
 }
 
 impl Indexer {
@@ -103,6 +107,7 @@ impl Indexer {
             rebuild: false,
             trigger_times: Vec::new(),
             objects: Vec::new(),
+            traces: Vec::new(),
         }
     }
 
@@ -137,12 +142,14 @@ impl Indexer {
                 self.check_ports(&key);
                 self.dirty.insert(key.clone());
                 self.changed(format!("Service {key}"), None);
+                self.trace("Service", &svc.metadata, Change::Apply);
             }
             Event::Delete(svc) => {
                 let key = ObjectKey::of(&svc);
                 self.index.apply_service(key.clone(), None);
                 self.dirty.insert(key.clone());
                 self.changed(format!("Service {key}"), None);
+                self.trace("Service", &svc.metadata, Change::Delete);
             }
         }
     }
@@ -174,12 +181,14 @@ impl Indexer {
                     self.dirty.insert(svc);
                 }
                 self.changed(format!("EndpointSlice {key}"), trigger);
+                self.trace("EndpointSlice", &s.metadata, Change::Apply);
             }
             Event::Delete(s) => {
                 let key = ObjectKey::of(&s);
                 let before = self.index.apply_slice(key.clone(), None);
                 self.dirty.extend(before);
                 self.changed(format!("EndpointSlice {key}"), None);
+                self.trace("EndpointSlice", &s.metadata, Change::Delete);
             }
         }
     }
@@ -203,6 +212,7 @@ impl Indexer {
                 }
                 self.dirty_nodes.insert(info.name.clone());
                 self.changed(format!("Node {}", info.name), None);
+                self.trace("Node", &n.metadata, Change::Apply);
                 self.index.apply_node(info.name.clone(), Some(info));
             }
             Event::Delete(n) => {
@@ -210,6 +220,7 @@ impl Indexer {
                 self.index.apply_node(name.clone(), None);
                 self.dirty_nodes.insert(name.clone());
                 self.changed(format!("Node {name}"), None);
+                self.trace("Node", &n.metadata, Change::Delete);
             }
         }
     }
@@ -221,6 +232,21 @@ impl Indexer {
             seconds: t.as_second(),
             nanos: t.subsec_nanosecond(),
         });
+    }
+
+    /// The change's root span (crate::trace); its context is kept for the next publication
+    /// when the trace is sampled.
+    fn trace(
+        &mut self,
+        kind: &'static str,
+        meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        change: Change,
+    ) {
+        if let Some(cx) = trace::api_change(kind, meta, change)
+            && self.traces.len() < trace::MAX_LINKS
+        {
+            self.traces.push(cx);
+        }
     }
 
     /// Logs and counts Service ports that a slice of the Service cannot serve: the slice has no
@@ -348,6 +374,9 @@ impl Indexer {
         }
         let start = Instant::now();
         let rebuild = self.rebuild || self.shared.is_none();
+        let span = trace::publication(&self.traces, self.dirty.len(), rebuild);
+        self.traces.clear();
+        let entered = span.as_ref().map(|s| s.enter());
         let shared = self
             .shared
             .get_or_insert_with(|| SharedRuleset::new(self.config.clone()));
@@ -388,12 +417,18 @@ impl Indexer {
         self.dirty.clear();
         self.dirty_nodes.clear();
         self.rebuild = false;
-        fanout.publish(
+        let trace = span.as_ref().and_then(splitproxy_proto::telemetry::sampled);
+        let version = fanout.publish_traced(
             model,
             self.published_overlays.clone(),
             std::mem::take(&mut self.trigger_times),
             std::mem::take(&mut self.objects),
+            trace,
         );
+        drop(entered);
+        if let (Some(span), Some(v)) = (&span, version) {
+            span.record("splitproxy.version", v);
+        }
         if !fanout.synced() {
             tracing::info!("every initial list is complete; serving nodes");
             fanout.set_synced(true);

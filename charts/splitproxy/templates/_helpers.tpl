@@ -70,6 +70,29 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/* The environment that points a component at the API server directly (k8sServiceHost). */}}
+{{/*
+OpenTelemetry (docs/observability.md), with `tracing.endpoint` set; `resource` is an
+OTEL_RESOURCE_ATTRIBUTES value naming the pod or node (variables defined before it expand).
+*/}}
+{{- define "splitproxy.tracingEnv" -}}
+{{- $tracing := .root.Values.tracing -}}
+{{- if $tracing.endpoint -}}
+# The node's address, for an endpoint on the node: `http://$(HOST_IP):4317`.
+- name: HOST_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.hostIP
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ $tracing.endpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $tracing.sampleRatio | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ .resource | quote }}
+{{- end -}}
+{{- end -}}
+
 {{- define "splitproxy.apiServerEnv" -}}
 {{- if .Values.k8sServiceHost }}
 # The API server directly: the kubernetes ClusterIP needs a working Service proxy.

@@ -21,13 +21,19 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         cli::Command::Brain(args) => {
             let config = splitproxy_brain::config::BrainConfig::try_from(*args)?;
-            splitproxy_brain::init_logging(&config.log_format);
-            runtime()?.block_on(splitproxy_brain::run::run(config))
+            runtime()?.block_on(async {
+                let telemetry = splitproxy_brain::init_telemetry(&config.log_format);
+                let result = splitproxy_brain::run::run(config).await;
+                telemetry.shutdown().await;
+                result
+            })
         }
-        cli::Command::Actuator(args) => {
-            splitproxy_actuator::init_logging(&args.log_format);
-            runtime()?.block_on(splitproxy_actuator::run::run((*args).try_into()?))
-        }
+        cli::Command::Actuator(args) => runtime()?.block_on(async {
+            let telemetry = splitproxy_actuator::init_telemetry(&args.log_format);
+            let result = splitproxy_actuator::run::run((*args).try_into()?).await;
+            telemetry.shutdown().await;
+            result
+        }),
         cli::Command::Up(up) => supervisor::up(&cli.state_dir, up),
         cli::Command::Demo(up) => demo::run(&cli.state_dir, up),
         cli::Command::Apply { path } => control::apply(&cli.state_dir, &path),
