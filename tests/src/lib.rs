@@ -36,6 +36,7 @@
 pub mod certs;
 pub mod controlplane;
 pub mod deploy;
+pub mod explain;
 pub mod fixtures;
 pub mod install;
 pub mod lab;
