@@ -424,7 +424,12 @@ impl Dataplane for DataplaneService {
             let what = format!("ExplainPacket for node {}", auth::bounded(&req.node, 64));
             return Err(self.refuse(reason, &info, &what));
         }
-        Ok(Response::new(self.explain(&req)?))
+        // Evaluation is CPU work (one run per random outcome): off the async threads.
+        let service = self.clone();
+        let out = tokio::task::spawn_blocking(move || service.explain(&req))
+            .await
+            .map_err(|_| Status::internal("the evaluation failed"))??;
+        Ok(Response::new(out))
     }
 
     async fn get_node_ruleset(
