@@ -720,6 +720,9 @@ fn explaining_a_whole_node_table_is_fast_enough_for_an_rpc() {
     let start = std::time::Instant::now();
     let r = explain(&a, &arriving("10.244.1.9", "10.96.2.100", 80));
     assert_eq!(r.outcomes.len(), 16, "{}", r.text);
+    // The text shows the first outcomes' own paths, and says how many it left out.
+    assert!(r.text.contains("(8 more outcomes"), "{}", r.text);
+    assert!(r.outcomes.iter().all(|o| !o.path.is_empty()));
     assert!(
         start.elapsed() < std::time::Duration::from_secs(2),
         "{:?}",

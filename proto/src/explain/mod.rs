@@ -46,6 +46,9 @@ use eval::{Run, RunResult, TableView};
 const MAX_RUNS: usize = 4096;
 /// Values of one numgen enumerated at most.
 const MAX_MODULUS: u32 = 1024;
+/// Outcomes that carry their own path; the paths of further outcomes (more endpoints than
+/// that) are left out, so that an answer stays small enough for grpcurl's 4 MB default.
+const MAX_OUTCOME_PATHS: usize = 32;
 /// Source port of a packet whose request gives none.
 pub const DEFAULT_SOURCE_PORT: u16 = 40000;
 
@@ -366,8 +369,17 @@ pub fn explain(model: &Model, packet: &Packet, assumptions: Vec<String>) -> Expl
             }
         }
     }
-    for o in &mut outcomes {
+    for (i, o) in outcomes.iter_mut().enumerate() {
         o.summary = text::outcome_summary(o, v6);
+        if i >= MAX_OUTCOME_PATHS {
+            o.path.clear();
+        }
+    }
+    if outcomes.len() > MAX_OUTCOME_PATHS {
+        assumptions.push(format!(
+            "{} outcomes: only the first {MAX_OUTCOME_PATHS} carry their own path (the others differ in the values they looked up)",
+            outcomes.len()
+        ));
     }
     let fates: Vec<i32> = outcomes.iter().map(|o| o.fate).collect();
     let fate = if fates.contains(&(PacketFate::Dnat as i32)) {

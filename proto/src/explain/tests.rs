@@ -655,3 +655,41 @@ fn requests_get_defaults_and_bad_ones_are_refused() {
         assert!(packet_of(&bad, &node).is_err(), "{bad:?}");
     }
 }
+
+#[test]
+fn slots_without_an_element_are_one_outcome_with_their_share() {
+    // The DNAT rule's numgen modulus raised to 40 while the map holds slots 0..2 only: the
+    // 37 other values miss the map, end the rule, and leave the packet untouched.
+    let mut rs = model().to_ruleset();
+    for c in &mut rs.tables[0].chains {
+        for r in &mut c.rules {
+            for e in &mut r.exprs {
+                if let Some(K::Numgen(n)) = &mut e.kind {
+                    n.modulus = 40;
+                }
+            }
+        }
+    }
+    let m = Model::from_ruleset(&rs);
+    let r = explain(
+        &m,
+        &packet("10.244.3.5", "10.96.0.10", 80, Origin::Arriving),
+        vec![],
+    );
+    assert_eq!(r.outcomes.len(), 4, "{}", r.text);
+    let untouched = r
+        .outcomes
+        .iter()
+        .find(|o| o.fate == PacketFate::Accepted as i32)
+        .unwrap();
+    assert_eq!(untouched.slots, (3..40).collect::<Vec<u32>>());
+    assert!((untouched.share - 37.0 / 40.0).abs() < 1e-9);
+    assert!(r.text.contains("numgen values 3,4,5"), "{}", r.text);
+    for o in r
+        .outcomes
+        .iter()
+        .filter(|o| o.fate == PacketFate::Dnat as i32)
+    {
+        assert!((o.share - 1.0 / 40.0).abs() < 1e-9);
+    }
+}

@@ -71,6 +71,9 @@ pub fn outcome_summary(o: &PacketOutcome, v6: bool) -> String {
     s
 }
 
+/// Outcomes whose own path the text shows.
+const MAX_TEXT_PATHS: usize = 8;
+
 fn indent(step: &PathStep) -> usize {
     let d = step.depth as usize;
     match Kind::try_from(step.kind).unwrap_or(Kind::Unspecified) {
@@ -135,12 +138,17 @@ pub fn render(p: &Packet, r: &ExplainPacketResponse) -> String {
     let _ = writeln!(out, "path:");
     steps(&mut out, &r.path, 0);
     if r.outcomes.len() > 1 || r.outcomes.iter().any(|o| !o.path.is_empty()) {
-        for o in &r.outcomes {
-            if o.path.is_empty() {
-                continue;
-            }
+        let with_path: Vec<_> = r.outcomes.iter().filter(|o| !o.path.is_empty()).collect();
+        for o in with_path.iter().take(MAX_TEXT_PATHS) {
             let _ = writeln!(out, "  then, for {}:", o.summary);
             steps(&mut out, &o.path, 1);
+        }
+        if with_path.len() > MAX_TEXT_PATHS {
+            let _ = writeln!(
+                out,
+                "  ({} more outcomes: their paths differ in the values they looked up; see outcomes[].path)",
+                with_path.len() - MAX_TEXT_PATHS
+            );
         }
     }
     if !r.assumptions.is_empty() {
