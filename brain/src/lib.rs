@@ -5,6 +5,7 @@
 pub mod auth;
 pub mod config;
 pub mod desired;
+pub mod explain;
 pub mod fanout;
 pub mod freshness;
 pub mod history;

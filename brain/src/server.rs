@@ -8,9 +8,9 @@ use futures::Stream;
 use splitproxy_proto::frames::UpdateFrame;
 use splitproxy_proto::frames_server::dataplane_server::Dataplane;
 use splitproxy_proto::v1::{
-    GetNodeRulesetRequest, GetNodeRulesetResponse, GetServiceRequest, GetServiceResponse,
-    ListNodesRequest, ListNodesResponse, NodeEvent, NodeStatus, SyncRequest, WatchNodesRequest,
-    sync_request,
+    ExplainPacketRequest, ExplainPacketResponse, GetNodeRulesetRequest, GetNodeRulesetResponse,
+    GetServiceRequest, GetServiceResponse, ListNodesRequest, ListNodesResponse, NodeEvent,
+    NodeStatus, SyncRequest, WatchNodesRequest, sync_request,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
@@ -414,6 +414,24 @@ impl Dataplane for DataplaneService {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
+    async fn explain_packet(
+        &self,
+        request: Request<ExplainPacketRequest>,
+    ) -> Result<Response<ExplainPacketResponse>, Status> {
+        let (info, roles) = self.caller(&request)?;
+        let req = request.into_inner();
+        if let Err(reason) = roles.may_read(&req.node) {
+            let what = format!("ExplainPacket for node {}", auth::bounded(&req.node, 64));
+            return Err(self.refuse(reason, &info, &what));
+        }
+        // Evaluation is CPU work (one run per random outcome): off the async threads.
+        let service = self.clone();
+        let out = tokio::task::spawn_blocking(move || service.explain(&req))
+            .await
+            .map_err(|_| Status::internal("the evaluation failed"))??;
+        Ok(Response::new(out))
+    }
+
     async fn get_node_ruleset(
         &self,
         request: Request<GetNodeRulesetRequest>,
@@ -438,6 +456,37 @@ impl Dataplane for DataplaneService {
 }
 
 impl DataplaneService {
+    /// What `ExplainPacket` answers: the request evaluated against the node's ruleset as
+    /// `GetNodeRuleset` shows it (the same publication), by the IR interpreter of
+    /// `splitproxy_proto::explain`. The node's addresses it knows are those of its ruleset
+    /// (`nodeport-ips`) and those the request adds.
+    pub(crate) fn explain(
+        &self,
+        req: &ExplainPacketRequest,
+    ) -> Result<ExplainPacketResponse, Status> {
+        let desired = self.fanout.publication();
+        let held = desired
+            .held(&req.node)
+            .ok_or_else(|| Status::unavailable("no desired state yet"))?;
+        let known_node = desired.overlays.contains_key(&req.node);
+        let model = held.full();
+        let addresses = crate::explain::node_addresses(&model);
+        let mut out = splitproxy_proto::explain::explain_request(&model, req, &addresses)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if !known_node {
+            out.assumptions.insert(
+                0,
+                format!(
+                    "the brain holds no elements of node {} of its own (no such node, or none yet): the ruleset every node shares was evaluated",
+                    auth::bounded(&req.node, 64)
+                ),
+            );
+            out.text.push_str(&format!("  - {}\n", out.assumptions[0]));
+        }
+        out.generation = desired.version;
+        Ok(out)
+    }
+
     /// A stale brain takes no node: it answers UNAVAILABLE, and the actuator tries the next
     /// brain ("never silently stale").
     fn refuse_if_stale(&self) -> Result<(), Status> {

@@ -1185,6 +1185,25 @@ impl Lab {
             .collect()
     }
 
+    /// Whether a server of the lab answers on `ip`:`port` over `proto`: a pod's while it
+    /// serves, or a node's host-network one.
+    pub fn serves(&self, ip: IpAddr, proto: Proto, port: u16) -> bool {
+        let has = |tcp: &BTreeSet<u16>, udp: &BTreeSet<u16>| match proto {
+            Proto::Tcp => tcp.contains(&port),
+            Proto::Udp => udp.contains(&port),
+        };
+        let ip = ip.to_canonical();
+        if let Some(e) = lock(&self.pods).values().find(|e| e.pod.has_ip(ip)) {
+            return e.server.is_some() && has(&e.tcp, &e.udp);
+        }
+        match self.cluster.node_by_ip(ip) {
+            Some(node) => lock(&self.host_servers)
+                .get(&node.index())
+                .is_some_and(|e| e.server.is_some() && has(&e.tcp, &e.udp)),
+            None => false,
+        }
+    }
+
     /// Stops (or restarts) the server of the pod with address `ip`, keeping its namespace.
     pub fn set_pod_serving(&self, ip: IpAddr, serving: bool) -> Result<()> {
         let mut pods = lock(&self.pods);

@@ -38,6 +38,7 @@ pub mod certs;
 pub mod cluster;
 pub mod controlplane;
 pub mod deploy;
+pub mod explain;
 pub mod fixtures;
 pub mod images;
 pub mod install;

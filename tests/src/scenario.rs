@@ -605,6 +605,9 @@ pub struct ReplayOptions {
     pub settle: Duration,
     /// How long to wait first for every node to hold the brain's latest state.
     pub sync_timeout: Duration,
+    /// Explain every probe through the brain's `ExplainPacket` and hold the explanation
+    /// against the results ([`crate::explain`]): a disagreement fails the probe.
+    pub explain: bool,
 }
 
 impl Default for ReplayOptions {
@@ -612,6 +615,7 @@ impl Default for ReplayOptions {
         ReplayOptions {
             settle: Duration::from_secs(10),
             sync_timeout: Duration::from_secs(15),
+            explain: true,
         }
     }
 }
@@ -636,6 +640,12 @@ pub struct ProbeReport {
     pub failures: Vec<String>,
     /// Rounds run before the expectation held (or the settle time ran out).
     pub attempts: usize,
+    /// The brain's explanation of the probe's packet, one line per node it met.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub explained: Vec<String>,
+    /// Where the explanation contradicts the results (fails the probe).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disagreements: Vec<String>,
 }
 
 impl ProbeReport {
@@ -648,6 +658,12 @@ impl ProbeReport {
         let _ = writeln!(s, ": {} -> {} {}", self.from, self.protocol, self.to);
         for r in &self.results {
             let _ = writeln!(s, "  {r}");
+        }
+        for e in &self.explained {
+            let _ = writeln!(s, "  explained on {e}");
+        }
+        for d in &self.disagreements {
+            let _ = writeln!(s, "  DISAGREES: {d}");
         }
         match (self.pass, &self.expect) {
             (Some(true), Some(e)) => {
@@ -689,6 +705,10 @@ impl Lab {
             eprintln!("[splitproxy-lab] probing anyway: {err:#}");
         }
         let deadline = start + opts.settle;
+        let mut explainer = match opts.explain {
+            true => Some(self.explainer().await.map_err(|e| format!("{e:#}"))),
+            false => None,
+        };
         let mut reports = Vec::new();
         for (i, p) in probes.iter().enumerate() {
             let timeout = Duration::from_millis(p.timeout_ms.unwrap_or(1500).clamp(10, 60_000));
@@ -710,8 +730,30 @@ impl Lab {
                     .as_ref()
                     .map(|e| e.check(&results))
                     .unwrap_or_default();
-                let done = failures.is_empty() || tokio::time::Instant::now() >= deadline;
+                let (explained, disagreements) = match explainer.as_mut() {
+                    None => (Vec::new(), Vec::new()),
+                    Some(Err(e)) => (Vec::new(), vec![format!("no brain to explain with: {e}")]),
+                    Some(Ok(brain)) => {
+                        let x = self
+                            .explain_probe(
+                                brain,
+                                &p.from,
+                                p.protocol,
+                                p.to,
+                                p.source_port,
+                                &results,
+                            )
+                            .await;
+                        (x.summary(), x.disagreements)
+                    }
+                };
+                let done = (failures.is_empty() && disagreements.is_empty())
+                    || tokio::time::Instant::now() >= deadline;
                 if done {
+                    let pass = match (&p.expect, disagreements.is_empty()) {
+                        (None, true) => None,
+                        _ => Some(failures.is_empty() && disagreements.is_empty()),
+                    };
                     reports.push(ProbeReport {
                         probe: i + 1,
                         name: p.name.clone(),
@@ -720,9 +762,11 @@ impl Lab {
                         protocol: p.protocol,
                         results,
                         expect: p.expect.clone(),
-                        pass: p.expect.as_ref().map(|_| failures.is_empty()),
+                        pass,
                         failures,
                         attempts,
+                        explained,
+                        disagreements,
                     });
                     break;
                 }

@@ -231,6 +231,25 @@ impl<'a> Checks<'a> {
             problems.extend(rest.iter().filter_map(|r| self.judge(r, &want)));
             results.extend(rest);
         }
+        // The brain's explanation of the packet must agree with what it did
+        // (`splitproxy_tests::explain`).
+        match self.lab.explainer().await {
+            Ok(mut brain) => {
+                let x = self
+                    .lab
+                    .explain_probe(&mut brain, from, proto, dst, None, &results)
+                    .await;
+                problems.extend(
+                    x.disagreements
+                        .iter()
+                        .map(|d| format!("ExplainPacket: {d}")),
+                );
+                if x.hops.is_empty() {
+                    problems.push("ExplainPacket explained nothing".into());
+                }
+            }
+            Err(e) => problems.push(format!("no brain to explain with: {e:#}")),
+        }
         let summary = summarize(&results);
         eprintln!("   {what}: {from} -> {proto} {dst}: {summary}");
         self.check(problems.is_empty(), || {

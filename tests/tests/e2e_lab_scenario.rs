@@ -136,6 +136,7 @@ async fn a_scenario_lab_is_dual_stack_and_probes_from_anywhere() {
         .await;
     for r in &reports {
         assert_eq!(r.pass, Some(true), "{}", r.to_text());
+        assert!(!r.explained.is_empty(), "not explained: {}", r.to_text());
     }
 
     // Probes report the endpoint after DNAT and the source seen, over both families.
@@ -241,7 +242,15 @@ async fn every_scenario_replays() {
             .await;
         assert!(!reports.is_empty(), "{}: no probes", dir.display());
         for r in &reports {
+            // The expectations held, and the brain's ExplainPacket agreed with every result
+            // (a disagreement fails the probe).
             assert_eq!(r.pass, Some(true), "{}: {}", dir.display(), r.to_text());
+            assert!(
+                !r.explained.is_empty() && r.disagreements.is_empty(),
+                "{}: {}",
+                dir.display(),
+                r.to_text()
+            );
         }
     }
 }

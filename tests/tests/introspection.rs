@@ -273,3 +273,105 @@ async fn get_service_says_where_a_change_is_live() {
     let err = node.get_service(ask()).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
 }
+
+/// `ExplainPacket` (issue #13, "what happens to this packet on that node?"): through plain
+/// grpcurl and reflection, a pod's packet to a ClusterIP explained with both candidates at
+/// half each and the path; the same through the generated client; invalid requests refused;
+/// a node's certificate may ask about its own node only.
+#[tokio::test(flavor = "multi_thread")]
+async fn explain_packet_through_grpcurl_and_the_node_scope() {
+    use splitproxy_proto::v1::{ExplainPacketRequest, PacketFate};
+
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_splitproxy-lab"));
+    let mut opts = LabOptions::new(exe);
+    opts.nodes = 2;
+    let lab = Lab::start(opts).await.unwrap();
+    let _client =
+        splitproxy_tests::traffic::web_service_with_client(&lab, "xp", "10.96.6.10").await;
+    lab.wait_synced(Duration::from_secs(20)).await.unwrap();
+
+    let grpcurl = splitproxy_tests::tools::binary("grpcurl").unwrap();
+    let op = &lab.operator_tls;
+    let run = |args: &[&str]| {
+        std::process::Command::new(&grpcurl)
+            .arg("-cacert")
+            .arg(&op.ca)
+            .arg("-cert")
+            .arg(&op.cert)
+            .arg("-key")
+            .arg(&op.key)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let brain = lab.brain(0).grpc.to_string();
+    let methods = run(&[&brain, "list", "splitproxy.v1.Dataplane"]);
+    let methods = String::from_utf8_lossy(&methods.stdout);
+    assert!(
+        methods.contains("splitproxy.v1.Dataplane.ExplainPacket"),
+        "{methods}"
+    );
+    let out = run(&[
+        "-d",
+        r#"{"node": "node-0", "source_ip": "10.244.0.100", "destination_ip": "10.96.6.10", "destination_port": 80, "protocol": "tcp", "ingress_interface": "pod0"}"#,
+        &brain,
+        "splitproxy.v1.Dataplane/ExplainPacket",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && text.contains("\"fate\": \"PACKET_FATE_DNAT\"")
+            && text.contains("\"dnatAddress\": \"10.244.0.21\"")
+            && text.contains("\"dnatAddress\": \"10.244.1.21\"")
+            && text.contains("\"share\": 0.5")
+            && text.contains("@service-ports-2"),
+        "grpcurl ExplainPacket:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let ask = |node: &str, dst: &str| ExplainPacketRequest {
+        node: node.into(),
+        source_ip: "10.244.0.100".into(),
+        destination_ip: dst.into(),
+        destination_port: 80,
+        ingress_interface: "pod0".into(),
+        ..Default::default()
+    };
+    let mut client = lab.operator_client(0).await.unwrap();
+    let r = client
+        .explain_packet(ask("node-0", "10.96.6.10"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.fate(), PacketFate::Dnat, "{}", r.text);
+    assert!(r.generation > 0);
+    assert!(r.text.contains("verdict: 2 outcomes"), "{}", r.text);
+    // An unallocated address of the service CIDR: dropped.
+    let r = client
+        .explain_packet(ask("node-0", "10.96.6.99"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.fate(), PacketFate::Dropped, "{}", r.text);
+    let err = client
+        .explain_packet(ask("node-0", "not-an-address"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+
+    // A node's certificate: its own node only.
+    let node0 = lab
+        .pki
+        .write(lab.dir(), "node0-xp", &lab.pki.node_cert("node-0").unwrap())
+        .unwrap();
+    let mut node = splitproxy_tests::deploy::grpc_client(lab.brain(0).grpc, &node0)
+        .await
+        .unwrap();
+    let own = node.explain_packet(ask("node-0", "10.96.6.10")).await;
+    assert!(own.is_ok(), "{own:?}");
+    let err = node
+        .explain_packet(ask("node-1", "10.96.6.10"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+}

@@ -116,6 +116,13 @@ impl Dataplane for Recorder {
     ) -> Result<Response<Self::WatchServiceStream>, Status> {
         Err(Status::unimplemented("not in this test"))
     }
+
+    async fn explain_packet(
+        &self,
+        _: Request<splitproxy_proto::v1::ExplainPacketRequest>,
+    ) -> Result<Response<splitproxy_proto::v1::ExplainPacketResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
 }
 
 /// A CA (written to `dir/ca.crt`) and a serving identity for `splitproxy-brain` from it.
