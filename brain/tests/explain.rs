@@ -696,6 +696,116 @@ fn hairpin_session_affinity_and_source_ranges() {
     assert_eq!(fate(&r), PacketFate::Dnat, "{}", r.text);
 }
 
+/// Every DNAT outcome of `r` remembers its endpoint in `map` for `timeout_ms`, and the answer
+/// is masqueraded as `masq` says.
+fn assert_records_affinity(r: &ExplainPacketResponse, map: &str, timeout_ms: u64, masq: bool) {
+    assert_eq!(fate(r), PacketFate::Dnat, "{}", r.text);
+    assert!(r.affinity, "{}", r.text);
+    for o in &r.outcomes {
+        assert_eq!(o.masquerade, masq, "{}", r.text);
+        assert_eq!(o.dynsets.len(), 1, "no affinity record: {}", r.text);
+        assert_eq!(o.dynsets[0].set, map, "{}", r.text);
+        assert_eq!(o.dynsets[0].timeout_ms, timeout_ms, "{}", r.text);
+        assert!(
+            o.dynsets[0].data.contains(&o.dnat_address),
+            "{:?}",
+            o.dynsets
+        );
+    }
+}
+
+/// Session affinity is remembered for every connection DNATed to an endpoint, masqueraded or
+/// not: an external client of a ClusterIP (masqueraded, it does not come from the pod network)
+/// and of a Cluster-policy NodePort, the node itself, and a hairpin pod. (Recorded in
+/// `nat-postrouting` after `masquerading`, whose verdict ends the NAT hook, none of these was.)
+#[test]
+fn session_affinity_is_recorded_for_masqueraded_connections() {
+    let mut cl = Cluster::nodes();
+    cl.service(service("aff", "NodePort", &["10.96.0.70"], http_port(30070),
+        json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}}})));
+    cl.slice(http_slice(
+        "aff-1",
+        "aff",
+        &[("10.244.1.5", "node-a"), ("10.244.2.5", "node-b")],
+    ));
+    let a = cl.node("node-a");
+    let node = ["192.168.77.1"];
+    let cases = [
+        (
+            "external client -> ClusterIP",
+            pkt("192.0.2.9", "10.96.0.70", 80, 6, Origin::Arriving, &node),
+            "affinity",
+            true,
+        ),
+        (
+            "external client -> NodePort",
+            pkt(
+                "192.0.2.9",
+                "192.168.77.1",
+                30070,
+                6,
+                Origin::Arriving,
+                &node,
+            ),
+            "nodeport-affinity",
+            true,
+        ),
+        (
+            "the node -> ClusterIP",
+            pkt("192.168.77.1", "10.96.0.70", 80, 6, Origin::Local, &node),
+            "affinity",
+            true,
+        ),
+        (
+            "the node -> its NodePort",
+            pkt(
+                "192.168.77.1",
+                "192.168.77.1",
+                30070,
+                6,
+                Origin::Local,
+                &node,
+            ),
+            "nodeport-affinity",
+            true,
+        ),
+        (
+            "a pod -> ClusterIP",
+            pkt("10.244.1.9", "10.96.0.70", 80, 6, Origin::Arriving, &node),
+            "affinity",
+            false,
+        ),
+    ];
+    for (what, p, map, masq) in cases {
+        let r = explain(&a, &p);
+        eprintln!("{what}: {}", r.text.lines().next().unwrap_or_default());
+        assert_records_affinity(&r, map, 30_000, masq);
+    }
+    // A pod reaching itself through the Service: the hairpin outcome is masqueraded, and both
+    // outcomes remember their endpoint.
+    let r = explain(
+        &a,
+        &pkt("10.244.1.5", "10.96.0.70", 80, 6, Origin::Arriving, &node),
+    );
+    assert_eq!(
+        candidates(&r),
+        vec![
+            c("10.244.1.5:8080", 500, true),
+            c("10.244.2.5:8080", 500, false)
+        ],
+        "{}",
+        r.text
+    );
+    for o in &r.outcomes {
+        assert_eq!(o.dynsets.len(), 1, "no affinity record: {}", r.text);
+        assert!(
+            o.dynsets[0].data.contains(&o.dnat_address),
+            "{:?}",
+            o.dynsets
+        );
+    }
+}
+
 #[test]
 fn explaining_a_whole_node_table_is_fast_enough_for_an_rpc() {
     // 300 Services of 16 endpoints: a request evaluates 16 runs; bounded well below a second

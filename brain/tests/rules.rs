@@ -271,18 +271,27 @@ fn check_invariants(rs: &Ruleset) {
             ("nat-prerouting", vec!["services"]),
             ("nat-output", vec!["services"]),
             ("filter-prerouting", vec!["firewall-check"]),
-            ("filter-input", vec!["service-endpoints-check"]),
+            (
+                "filter-input",
+                vec!["service-endpoints-check", "affinity-record"],
+            ),
             (
                 "filter-forward",
-                vec!["service-endpoints-check", "cluster-ips-check"],
+                vec![
+                    "service-endpoints-check",
+                    "cluster-ips-check",
+                    "affinity-record",
+                ],
             ),
             (
                 "filter-output",
                 vec!["service-endpoints-check", "firewall-check"],
             ),
-            ("filter-output-post-dnat", vec!["cluster-ips-check"]),
-            ("nat-postrouting", vec!["masquerading", "affinity-record"]),
-            ("nat-input", vec!["affinity-record"]),
+            (
+                "filter-output-post-dnat",
+                vec!["cluster-ips-check", "affinity-record"],
+            ),
+            ("nat-postrouting", vec!["masquerading"]),
         ]);
         for c in &t.chains {
             let mut jumps = Vec::new();

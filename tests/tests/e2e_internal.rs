@@ -13,7 +13,9 @@
 //!   lab): SCTP DNAT to named ports with raw INIT packets, one DNAT slot per distinct endpoint,
 //!   no rules for ignored Services (read from the nodes' rulesets).
 //! - [`session_affinity_and_udp_conntrack`] (3 nodes in two zones): ClientIP session affinity
-//!   as its endpoint goes, and UDP flows that must follow endpoint changes (conntrack cleanup).
+//!   as its endpoint goes and for masqueraded connections (an external client through a
+//!   Cluster-policy NodePort, the node itself to a ClusterIP), and UDP flows that must follow
+//!   endpoint changes (conntrack cleanup).
 //! - [`topology_fallback_applies_as_a_delta_and_reports_in_sync`]: the change from per-node
 //!   topology choices to kube-proxy's fallback, applied as a delta and reported in sync.
 //!
@@ -377,6 +379,20 @@ fn nft_ruleset(lab: &Lab, node: usize) -> String {
         .expect("nft list ruleset in the node's namespace")
 }
 
+/// The session affinity maps of node `node`, as `nft` lists them.
+fn affinity_maps(lab: &Lab, node: usize) -> String {
+    ["affinity", "nodeport-affinity"]
+        .iter()
+        .map(|map| {
+            lab.cluster
+                .node(node)
+                .netns()
+                .exec_ok(&["nft", "list", "map", "ip", "splitproxy", map])
+                .unwrap_or_else(|e| format!("{map}: {e:#}"))
+        })
+        .collect()
+}
+
 /// Whether the ruleset text names address `addr` (as a whole address, not a prefix of one).
 fn mentions(text: &str, addr: &str) -> bool {
     text.split(|c: char| !(c.is_ascii_hexdigit() || c == '.' || c == ':'))
@@ -613,8 +629,8 @@ fn ignored_services_have_no_rules(lab: &Lab) {
 
 // =============================================================================================
 // Lab 2: node-0 in zone-a, node-1 and node-2 in zone-b; client-<i> on node-<i>. Steps and
-// timing: ClientIP affinity as endpoints go, UDP flows through conntrack. (internalTrafficPolicy
-// and topology are scenario `traffic-policy-and-topology`.)
+// timing: ClientIP affinity as endpoints go and through a masquerade, UDP flows through
+// conntrack. (internalTrafficPolicy and topology are scenario `traffic-policy-and-topology`.)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn session_affinity_and_udp_conntrack() {
@@ -629,6 +645,7 @@ async fn session_affinity_and_udp_conntrack() {
     .await;
     let started = Instant::now();
     session_affinity(&lab).await;
+    session_affinity_when_masqueraded(&lab).await;
     udp_flow_follows_endpoint_removal(&lab).await;
     udp_flow_refused_then_answered(&lab).await;
     assert_no_apply_errors(&lab, "lab 2");
@@ -760,6 +777,72 @@ async fn session_affinity(lab: &Lab) {
     tcp(lab, "client-0", "10.96.21.30:80")
         .only(&now, 20, "affinity to the new endpoint")
         .await;
+}
+
+/// ClientIP session affinity for connections that are masqueraded: an external client to a
+/// Cluster-policy NodePort, and the node itself to the ClusterIP (a source outside the pod
+/// network). Each sends 20 new connections; with three endpoints, one endpoint answering all of
+/// them by chance has odds of 3 in 3^20. The affinity entry must be written for a connection
+/// whether or not postrouting masquerades it (a masquerade ends the NAT hook's traversal).
+async fn session_affinity_when_masqueraded(lab: &Lab) {
+    let http = [("http", "TCP", 8080)];
+    let eps = [
+        ("10.244.0.63", "node-0", "aff-0"),
+        ("10.244.1.63", "node-1", "aff-1"),
+        ("10.244.2.63", "node-2", "aff-2"),
+    ];
+    let spec = json!({"type": "NodePort", "externalTrafficPolicy": "Cluster",
+                      "ports": [{"name": "http", "protocol": "TCP", "port": 80,
+                                 "targetPort": "http", "nodePort": 30033}],
+                      "sessionAffinity": "ClientIP",
+                      "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}}});
+    apply(
+        lab,
+        &[
+            cluster_ip("aff-np", "10.96.21.33", &[], spec),
+            slice(
+                "aff-np-1",
+                "aff-np",
+                &http,
+                eps.iter()
+                    .map(|(ip, node, pod)| ep(ip, node, pod))
+                    .collect(),
+            ),
+        ],
+    )
+    .await;
+    let node_ips: BTreeSet<IpAddr> = lab.cluster.nodes().iter().flat_map(|n| n.ips()).collect();
+    let mut failures = Vec::new();
+    for (from, dst, what) in [
+        (
+            "external",
+            "192.168.77.10:30033",
+            "external client -> Cluster-policy NodePort",
+        ),
+        ("node-0", "10.96.21.33:80", "the node itself -> ClusterIP"),
+    ] {
+        let mut answers = Tally::new();
+        for r in lab.probe_n(from, Proto::Tcp, sa(dst), 20, TIMEOUT).await {
+            if let Some(seen) = r.source() {
+                assert!(
+                    node_ips.contains(&seen.ip()),
+                    "{what}: {from} -> {dst} must be masqueraded to a node's address: {r}"
+                );
+            }
+            *answers.entry(key(&r)).or_default() += 1;
+        }
+        eprintln!("affinity through a masquerade, {what}: {answers:?}");
+        if !(answers.len() == 1 && answers.keys().all(|k| k.starts_with("aff-"))) {
+            failures.push(format!("{what} ({from} -> {dst}): {answers:?}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "ClientIP affinity through a masquerade: 20 connections of one client must reach one \
+         endpoint:\n  {}\nnode-0's affinity maps:\n{}",
+        failures.join("\n  "),
+        affinity_maps(lab, 0)
+    );
 }
 
 /// A long-lived UDP flow (one source port) keeps its endpoint through its conntrack

@@ -6,8 +6,9 @@
 //! filter-prerouting / filter-output (-110): ct state new jump firewall-check          LB source ranges
 //! filter-input / forward / output (-110):   ct state new jump service-endpoints-check no endpoints
 //! filter-forward, filter-output-post-dnat:   ct state new jump cluster-ips-check      unknown ports, free IPs
+//! filter-input / forward, output-post-dnat:  ct state new jump affinity-record        remember the endpoint
 //! nat-prerouting / nat-output (-100):        jump services            mark, affinity, DNAT
-//! nat-postrouting / nat-input (100):         jump masquerading, jump affinity-record
+//! nat-postrouting (100):                     jump masquerading
 //! ```
 use splitproxy_proto::family::IpFamily;
 use splitproxy_proto::v1::{BaseChain, Chain, ChainType, CmpOp, CtKey, Expr, Hook, MetaKey, Rule};
@@ -82,14 +83,18 @@ pub fn fixed_chains(config: &RulesConfig, family: IpFamily) -> Vec<Chain> {
             Input,
             Filter,
             DSTNAT - 10,
-            &["service-endpoints-check"],
+            &["service-endpoints-check", "affinity-record"],
         ),
         base(
             "filter-forward",
             Forward,
             Filter,
             DSTNAT - 10,
-            &["service-endpoints-check", "cluster-ips-check"],
+            &[
+                "service-endpoints-check",
+                "cluster-ips-check",
+                "affinity-record",
+            ],
         ),
         base(
             "filter-output",
@@ -103,7 +108,7 @@ pub fn fixed_chains(config: &RulesConfig, family: IpFamily) -> Vec<Chain> {
             Output,
             Filter,
             DSTNAT + 10,
-            &["cluster-ips-check"],
+            &["cluster-ips-check", "affinity-record"],
         ),
         base("nat-prerouting", Prerouting, Nat, DSTNAT, &["services"]),
         base("nat-output", Output, Nat, DSTNAT, &["services"]),
@@ -112,9 +117,8 @@ pub fn fixed_chains(config: &RulesConfig, family: IpFamily) -> Vec<Chain> {
             Postrouting,
             Nat,
             SRCNAT,
-            &["masquerading", "affinity-record"],
+            &["masquerading"],
         ),
-        base("nat-input", Input, Nat, SRCNAT, &["affinity-record"]),
         endpoints_check(family),
         cluster_ips_check(config, family),
         firewall_check(family),
@@ -324,7 +328,27 @@ fn nodeport_affinity_rule(family: IpFamily) -> Rule {
 }
 
 /// `affinity-record`: a new connection DNATed for a Service port with session affinity
-/// remembers its client's endpoint, for that port's timeout.
+/// remembers its client's endpoint, for that port's timeout (refreshed by every new connection,
+/// as kube-proxy's `update @affinity-…` in its endpoint chains).
+///
+/// Where it runs, and why: the entry needs the endpoint DNAT chose, which a rule can read only
+/// after the NAT hook rewrote the packet, so it cannot sit in `services` itself (a `dnat`
+/// verdict ends that traversal, and recording there would take a rule per endpoint count and
+/// timeout). It must not run in a NAT chain after DNAT either: the kernel runs the NAT chains of
+/// a hook, across all tables, only until one sets up a translation, so in `nat-postrouting` a
+/// `masquerade` (ours, or an earlier SNAT chain of another table) would end the traversal before
+/// the record — which is how every masqueraded connection (external clients of Cluster-policy
+/// Services, the node's own traffic, hairpin) once lost its affinity. So it runs from the filter
+/// hooks that follow DNAT on every path: `filter-forward` (to a pod elsewhere or behind this
+/// node), `filter-input` (to this node's own addresses) and `filter-output-post-dnat` (the
+/// node's own connections; they pass `filter-input` too when local, an idempotent update).
+/// These already run `ct state new` checks there, so this costs no new hook, and it runs after
+/// those checks: a refused or dropped connection records nothing. `ct status dnat` keeps out a
+/// connection that was not translated (a UDP flow or a retried SYN from before its Service's
+/// rules arrived: its conntrack entry, untranslated, is still `new` until the actuator's
+/// conntrack clean-up), which would otherwise record the Service address itself as its
+/// endpoint. (In `nat-postrouting` that check was implicit: NAT chains see only a
+/// connection's first packet.)
 pub fn affinity_record_chain(family: IpFamily, dynsets: &[DynSet]) -> Chain {
     let w = ir::addr_regs(family);
     let (src, dst) = match family {
@@ -338,32 +362,40 @@ pub fn affinity_record_chain(family: IpFamily, dynsets: &[DynSet]) -> Chain {
         .into_iter()
         .filter_map(|d| match d {
             DynSet::NodePortAffinity(t) => Some(rule(
-                vec![
-                    ir::ct_original(dst, 0),
-                    ir::lookup(sets::NODEPORT_IPS, 0),
-                    ir::ct_original(CtKey::Protocol, w),
-                    ir::ct_original(CtKey::ProtoDst, w + 1),
-                    ir::lookup(&d.name(), w),
-                    ir::ct_original(src, 0),
-                    ir::ct_original(CtKey::Protocol, w),
-                    ir::ct_original(CtKey::ProtoDst, w + 1),
-                    ir::daddr(family, w + 2),
-                    ir::dport(2 * w + 2),
-                    ir::dynset_update(sets::NODEPORT_AFFINITY, 0, w + 2, u64::from(t) * 1000),
-                ],
+                [
+                    ir::ct_status_dnat(0),
+                    vec![
+                        ir::ct_original(dst, 0),
+                        ir::lookup(sets::NODEPORT_IPS, 0),
+                        ir::ct_original(CtKey::Protocol, w),
+                        ir::ct_original(CtKey::ProtoDst, w + 1),
+                        ir::lookup(&d.name(), w),
+                        ir::ct_original(src, 0),
+                        ir::ct_original(CtKey::Protocol, w),
+                        ir::ct_original(CtKey::ProtoDst, w + 1),
+                        ir::daddr(family, w + 2),
+                        ir::dport(2 * w + 2),
+                        ir::dynset_update(sets::NODEPORT_AFFINITY, 0, w + 2, u64::from(t) * 1000),
+                    ],
+                ]
+                .concat(),
                 "",
             )),
             DynSet::Affinity(t) => Some(rule(
-                vec![
-                    ir::ct_original(dst, w),
-                    ir::ct_original(CtKey::Protocol, 2 * w),
-                    ir::ct_original(CtKey::ProtoDst, 2 * w + 1),
-                    ir::lookup(&d.name(), w),
-                    ir::ct_original(src, 0),
-                    ir::daddr(family, 2 * w + 2),
-                    ir::dport(3 * w + 2),
-                    ir::dynset_update(sets::AFFINITY, 0, 2 * w + 2, u64::from(t) * 1000),
-                ],
+                [
+                    ir::ct_status_dnat(0),
+                    vec![
+                        ir::ct_original(dst, w),
+                        ir::ct_original(CtKey::Protocol, 2 * w),
+                        ir::ct_original(CtKey::ProtoDst, 2 * w + 1),
+                        ir::lookup(&d.name(), w),
+                        ir::ct_original(src, 0),
+                        ir::daddr(family, 2 * w + 2),
+                        ir::dport(3 * w + 2),
+                        ir::dynset_update(sets::AFFINITY, 0, 2 * w + 2, u64::from(t) * 1000),
+                    ],
+                ]
+                .concat(),
                 "",
             )),
             DynSet::Count(..) => None,

@@ -96,6 +96,17 @@ pub fn ct_state_new() -> Vec<Expr> {
     ]
 }
 
+/// `ct status dnat`: the connection's destination was translated, through `reg`.
+pub fn ct_status_dnat(reg: u32) -> Vec<Expr> {
+    /// The kernel's `IPS_DST_NAT`.
+    const DST_NAT: u32 = 1 << 5;
+    vec![
+        ct(CtKey::Status, reg),
+        bitwise(reg, reg, DST_NAT.to_ne_bytes().to_vec()),
+        cmp(CmpOp::Neq, reg, 0u32.to_ne_bytes().to_vec()),
+    ]
+}
+
 /// `ip daddr PREFIX` as a mask and a compare.
 pub fn daddr_in(net: ipnet::IpNet) -> Vec<Expr> {
     let (mask, addr) = match net {

@@ -18,9 +18,10 @@
 //!   cluster choice        key @service-ports-N / @nodeport-ports-N
 //!                         dnat to key . numgen random mod N map @service-endpoints
 //! filter hooks:           @no-endpoint-services / -nodeports rejected, unknown ClusterIP ports
-//!                         rejected, free service-CIDR addresses dropped, LB source ranges
-//! postrouting:            masquerade marked packets and hairpin pairs (@hairpin-endpoints);
-//!                         record affinity from conntrack's original tuple
+//!                         rejected, free service-CIDR addresses dropped, LB source ranges;
+//!                         after DNAT (forward, input, output), record affinity of DNATed
+//!                         connections from conntrack's original tuple
+//! postrouting:            masquerade marked packets and hairpin pairs (@hairpin-endpoints)
 //! ```
 //!
 //! What every node holds comes from [`contribution::global`]; what only one node holds (its
