@@ -13,6 +13,8 @@
 #            chart's real-cluster test, tests/tests/cluster_helm.rs); tools/test.sh builds it
 #            too (about 15 minutes cold on 2 cores, once per version).
 #            runc and the CNI plugins come from Debian (tools/setup.sh cluster).
+#     e2e    e2e.test (Kubernetes' end-to-end tests, `go test -c k8s.io/kubernetes/test/e2e`) and
+#            agnhost (their test server) v1.37.2, for tools/e2e.sh; about 5 minutes cold
 #     NAME   any single binary of the above
 #
 # Binaries land in $SPLITPROXY_TOOLS_CACHE/<name>-<version>/<name> (default cache:
@@ -40,7 +42,8 @@ say() { printf '[build-tools] %s\n' "$*" >&2; }
 version_of() {
   case $1 in
     etcd) echo "$ETCD_VERSION" ;;
-    kube-apiserver | kube-proxy | kube-controller-manager | kubelet | kube-scheduler | kubectl)
+    kube-apiserver | kube-proxy | kube-controller-manager | kubelet | kube-scheduler | kubectl | \
+      e2e.test | agnhost)
       echo "$K8S_VERSION" ;;
     containerd | containerd-shim-runc-v2 | ctr) echo "$CONTAINERD_VERSION" ;;
     crictl) echo "$CRICTL_VERSION" ;;
@@ -77,6 +80,12 @@ build_one() {
     kube-apiserver | kube-proxy | kube-controller-manager | kubelet | kube-scheduler | kubectl)
       (cd "$here/k8s" && CGO_ENABLED=0 go build -trimpath -ldflags "$(k8s_ldflags)" \
         -o "$tmp/$name" "k8s.io/kubernetes/cmd/$name") ;;
+    e2e.test)
+      (cd "$here/k8s" && CGO_ENABLED=0 go test -c -trimpath -ldflags "$(k8s_ldflags)" \
+        -o "$tmp/e2e.test" k8s.io/kubernetes/test/e2e) ;;
+    agnhost)
+      (cd "$here/k8s" && CGO_ENABLED=0 go build -trimpath -ldflags '-s -w' \
+        -o "$tmp/agnhost" k8s.io/kubernetes/test/images/agnhost) ;;
     grpcurl)
       GOBIN="$tmp" CGO_ENABLED=0 go install "github.com/fullstorydev/grpcurl/cmd/grpcurl@$version" ;;
     helm)
@@ -105,6 +114,7 @@ for arg in "$@"; do
     test) names+=(etcd kube-apiserver grpcurl kube-proxy helm) ;;
     bench) names+=(etcd kube-apiserver grpcurl kube-proxy helm kube-controller-manager kwok) ;;
     all) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok helm) ;;
+    e2e) names+=(e2e.test agnhost) ;;
     cluster) names+=(etcd kube-apiserver containerd containerd-shim-runc-v2 ctr crictl kubelet
       kube-scheduler kube-controller-manager kubectl) ;;
     *) names+=("$arg") ;;

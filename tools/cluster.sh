@@ -15,6 +15,8 @@
 #   tools/cluster.sh env             prints the namespace and kubeconfig paths, for scripts
 #   tools/cluster.sh images [DIR]    imports splitproxy's images (tools/image.sh; default DIR
 #                                    $CARGO_TARGET_DIR/oci) into every node's containerd
+#   tools/cluster.sh import FILE...  imports OCI archives (e.g. tools/e2e.sh's images) into every
+#                                    node's containerd under the names they carry
 #   tools/cluster.sh tag TAG         tags every imported splitproxy image :TAG as well (on every
 #                                    node), e.g. to `helm upgrade` to a new tag
 #   tools/cluster.sh install [ARGS]  `helm upgrade --install` of charts/splitproxy as release
@@ -707,6 +709,16 @@ ctr_node() { # INDEX ARGS...
     2> >(grep -v 'support for cgroup v1 is deprecated' >&2)
 }
 
+cmd_import() { # FILE...
+  local n i f
+  n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
+  for f in "$@"; do [ -f "$f" ] || die "$f missing"; done
+  for ((i = 0; i < n; i++)); do
+    for f in "$@"; do ctr_node "$i" images import --local "$f" >/dev/null; done
+  done
+  say "imported $# archives into $n nodes"
+}
+
 cmd_images() { # [DIR]
   local oci=${1:-${CARGO_TARGET_DIR:-$here/../target}/oci} n i name
   n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
@@ -792,6 +804,7 @@ cmd_nft() { # NODE ARGS
 
 case ${1:-} in
   images) shift; cmd_images "$@" ;;
+  import) shift; cmd_import "$@" ;;
   tag) shift; cmd_tag "$@" ;;
   install) shift; cmd_install "$@" ;;
   helm) shift; helm_admin "$@" ;;
@@ -803,5 +816,5 @@ case ${1:-} in
   smoke) cmd_smoke ;;
   env) cmd_env ;;
   kubectl) shift; kubectl_admin "$@" ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
+  *) sed -n '2,32p' "$0"; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes single-layer OCI images (layout + archive) reproducibly; used by tools/image.sh (the
-splitproxy images) and tools/pause-image.sh (the real cluster's sandbox image).
+splitproxy images), tools/pause-image.sh (the real cluster's sandbox image) and, as a module
+(`write_image`), by tools/e2e-images.py (the upstream e2e tests' images).
 
   oci_image.py OUT REPOSITORY VERSION COMMIT NAME=BINARY=USER=TAG ...
 
@@ -8,10 +9,7 @@ See tools/image.sh for what is inside an image and why it is reproducible.
 """
 import gzip, hashlib, io, json, os, shutil, sys, tarfile, time
 
-out, repository, version, commit = sys.argv[1:5]
-# name=binary=user=tag (an empty tag: the workspace version)
-images = [arg.split("=") for arg in sys.argv[5:]]
-epoch = int(os.environ["SOURCE_DATE_EPOCH"])
+epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
 created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 DESCRIPTIONS = {
@@ -31,7 +29,8 @@ def dumps(obj):
 
 
 def tar_bytes(entries):
-    """A tar of `entries` [(path, mode, bytes or None for a directory)], sorted, fixed metadata."""
+    """A tar of `entries` [(path, mode, bytes, or None for a directory, or ("symlink", target))],
+    sorted, fixed metadata."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path, mode, data in sorted(entries, key=lambda e: e[0]):
@@ -42,6 +41,10 @@ def tar_bytes(entries):
             info.mtime = epoch
             if data is None:
                 info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif isinstance(data, tuple):
+                info.type = tarfile.SYMTYPE
+                info.linkname = data[1]
                 tar.addfile(info)
             else:
                 info.size = len(data)
@@ -95,19 +98,11 @@ def archive(layout_dir, dest):
     os.replace(dest + ".partial", dest)
 
 
-for name, path, user, tag in images:
-    tag = tag or version
-    description = DESCRIPTIONS[name]
-    with open(path, "rb") as f:
-        binary = f.read()
-    layer = tar_bytes([
-        ("etc", 0o755, None),
-        ("etc/group", 0o644, GROUP),
-        ("etc/passwd", 0o644, PASSWD),
-        ("usr", 0o755, None),
-        ("usr/bin", 0o755, None),
-        ("usr/bin/" + name, 0o755, binary),
-    ])
+def write_image(out, repository, commit, name, tag, description, entries, user, entrypoint,
+                cmd=None, env=("PATH=/usr/bin",), author="tools/image.sh"):
+    """One image `repository/name:tag` whose single layer holds `entries` (see tar_bytes), as
+    a layout `out/name` and an archive `out/name.oci.tar`; returns the manifest digest."""
+    layer = tar_bytes(entries)
     labels = {
         "org.opencontainers.image.title": name,
         "org.opencontainers.image.description": description,
@@ -116,20 +111,23 @@ for name, path, user, tag in images:
         "org.opencontainers.image.created": created,
         "org.opencontainers.image.licenses": "Apache-2.0",
     }
+    image_config = {
+        "User": user,
+        "Entrypoint": entrypoint,
+        "Env": list(env),
+        "WorkingDir": "/",
+        "Labels": labels,
+    }
+    if cmd:
+        image_config["Cmd"] = cmd
     config = {
         "architecture": "amd64",
         "os": "linux",
         "created": created,
-        "author": "tools/image.sh",
-        "config": {
-            "User": user,
-            "Entrypoint": ["/usr/bin/" + name],
-            "Env": ["PATH=/usr/bin"],
-            "WorkingDir": "/",
-            "Labels": labels,
-        },
+        "author": author,
+        "config": image_config,
         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(layer).hexdigest()]},
-        "history": [{"created": created, "created_by": "tools/image.sh " + name}],
+        "history": [{"created": created, "created_by": author + " " + name}],
     }
     layout = Layout(os.path.join(out, name))
     layer_desc = layout.blob("application/vnd.oci.image.layer.v1.tar+gzip", gz(layer))
@@ -154,4 +152,31 @@ for name, path, user, tag in images:
     layout.finish(manifest_desc)
     dest = os.path.join(out, name + ".oci.tar")
     archive(layout.path, dest)
-    print(name, tag, manifest_desc["digest"], dest)
+    return manifest_desc["digest"], dest
+
+
+def main():
+    out, repository, version, commit = sys.argv[1:5]
+    # name=binary=user=tag (an empty tag: the workspace version)
+    images = [arg.split("=") for arg in sys.argv[5:]]
+    for name, path, user, tag in images:
+        tag = tag or version
+        with open(path, "rb") as f:
+            binary = f.read()
+        entries = [
+            ("etc", 0o755, None),
+            ("etc/group", 0o644, GROUP),
+            ("etc/passwd", 0o644, PASSWD),
+            ("usr", 0o755, None),
+            ("usr/bin", 0o755, None),
+            ("usr/bin/" + name, 0o755, binary),
+        ]
+        digest, dest = write_image(out, repository, commit, name, tag, DESCRIPTIONS[name],
+                                   entries, user, ["/usr/bin/" + name])
+        print(name, tag, digest, dest)
+
+
+if __name__ == "__main__":
+    if "SOURCE_DATE_EPOCH" not in os.environ:
+        sys.exit("oci_image.py: SOURCE_DATE_EPOCH must be set (reproducible timestamps)")
+    main()
