@@ -13,6 +13,7 @@
 #            chart's real-cluster test, tests/tests/cluster_helm.rs); tools/test.sh builds it
 #            too (about 15 minutes cold on 2 cores, once per version).
 #            runc and the CNI plugins come from Debian (tools/setup.sh cluster).
+#     dns    coredns v1.15.0, the real cluster's DNS (tools/cluster.sh dns)
 #     e2e    e2e.test (Kubernetes' end-to-end tests, `go test -c k8s.io/kubernetes/test/e2e`) and
 #            agnhost (their test server) v1.37.2, for tools/e2e.sh; about 5 minutes cold
 #     NAME   any single binary of the above
@@ -32,6 +33,7 @@ KWOK_VERSION=v0.8.0
 # there, removal announced for no later than May 2029), which this project's machines run.
 CONTAINERD_VERSION=v2.2.9
 CRICTL_VERSION=v1.37.0
+COREDNS_VERSION=v1.15.0
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${SPLITPROXY_TOOLS_CACHE:-$HOME/.cache/splitproxy-tools}
@@ -47,6 +49,7 @@ version_of() {
       echo "$K8S_VERSION" ;;
     containerd | containerd-shim-runc-v2 | ctr) echo "$CONTAINERD_VERSION" ;;
     crictl) echo "$CRICTL_VERSION" ;;
+    coredns) echo "$COREDNS_VERSION" ;;
     grpcurl) echo "$GRPCURL_VERSION" ;;
     helm) echo "$HELM_VERSION" ;;
     kwok) echo "$KWOK_VERSION" ;;
@@ -97,6 +100,9 @@ build_one() {
       GOBIN="$tmp" CGO_ENABLED=0 go install -tags 'no_btrfs no_devmapper no_zfs' \
         -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$version" \
         "github.com/containerd/containerd/v2/cmd/$name@$version" ;;
+    coredns)
+      GOBIN="$tmp" CGO_ENABLED=0 go install -trimpath -ldflags '-s -w' \
+        "github.com/coredns/coredns@$version" ;;
     crictl)
       GOBIN="$tmp" CGO_ENABLED=0 go install \
         -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$version" \
@@ -115,6 +121,7 @@ for arg in "$@"; do
     bench) names+=(etcd kube-apiserver grpcurl kube-proxy helm kube-controller-manager kwok) ;;
     all) names+=(etcd kube-apiserver grpcurl kube-proxy kube-controller-manager kwok helm) ;;
     e2e) names+=(e2e.test agnhost) ;;
+    dns) names+=(coredns) ;;
     cluster) names+=(etcd kube-apiserver containerd containerd-shim-runc-v2 ctr crictl kubelet
       kube-scheduler kube-controller-manager kubectl) ;;
     *) names+=("$arg") ;;

@@ -24,6 +24,8 @@
 #                                    (there is none), with the imported images; ARGS go to helm
 #   tools/cluster.sh cleanup         after `helm uninstall`: `splitproxy-actuator --cleanup` in a
 #                                    `kubectl debug node` pod on every node (README, "Uninstall")
+#   tools/cluster.sh dns             CoreDNS (tools/build-tools.sh dns, a local image) at the
+#                                    kube-dns ClusterIP 10.96.0.10 that every kubelet hands its pods
 #   tools/cluster.sh helm ARGS       helm against this cluster (run in the fabric namespace)
 #   tools/cluster.sh nft NODE ARGS   `nft ARGS` inside node NODE's namespace (e.g. `nft 0 list
 #                                    tables`): where the actuator of that node programs
@@ -420,6 +422,9 @@ authentication:
   x509: {clientCAFile: $pki/ca.crt}
 authorization: {mode: Webhook}
 clusterDomain: cluster.local
+# The kube-dns ClusterIP of tools/cluster/coredns.yaml (`tools/cluster.sh dns`): reached through
+# the Service proxy, so only once splitproxy runs; unanswered until then.
+clusterDNS: [10.96.0.10]
 resolvConf: /etc/resolv.conf
 # The machine's disk is shared with everything else: never evict or collect images for it.
 evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
@@ -796,6 +801,20 @@ cmd_cleanup() {
   done
 }
 
+cmd_dns() {
+  local version out
+  "$here/build-tools.sh" dns >/dev/null
+  version=$(readlink -f "$cache/bin/coredns" | sed -n 's|.*/coredns-v\([^/]*\)/coredns$|\1|p')
+  [ -n "$version" ] || die "cannot tell the coredns version from $cache/bin/coredns"
+  out=$dir/images
+  mkdir -p "$out"
+  SOURCE_DATE_EPOCH=0 python3 "$here/oci_image.py" "$out" localhost "$version" "coredns v$version" \
+    "coredns=$cache/bin/coredns=65532:65532=$version" >/dev/null
+  cmd_import "$out/coredns.oci.tar"
+  sed "s/COREDNS_VERSION/$version/" "$here/cluster/coredns.yaml" | kubectl_admin apply -f - >/dev/null
+  kubectl_admin -n kube-system rollout status deployment/coredns --timeout=120s
+}
+
 cmd_nft() { # NODE ARGS
   local i=$1; shift
   [[ $i =~ ^[0-9]$ ]] || die "NODE is a node index (0, 1, ...)"
@@ -810,11 +829,12 @@ case ${1:-} in
   helm) shift; helm_admin "$@" ;;
   nft) shift; cmd_nft "$@" ;;
   cleanup) cmd_cleanup ;;
+  dns) cmd_dns ;;
   start) shift; cmd_start "$@" ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   smoke) cmd_smoke ;;
   env) cmd_env ;;
   kubectl) shift; kubectl_admin "$@" ;;
-  *) sed -n '2,32p' "$0"; exit 2 ;;
+  *) sed -n '2,34p' "$0"; exit 2 ;;
 esac

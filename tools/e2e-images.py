@@ -7,8 +7,8 @@ is pulled from a registry. Used by tools/e2e.sh.
 - registry.k8s.io/e2e-test-images/agnhost:2.66.1: the agnhost binary built at v1.37.2 from the
   Go module proxy (`k8s.io/kubernetes/test/images/agnhost`), plus the tools the tests run inside
   it through `sh -c` (upstream installs them from Alpine): busybox (Debian's busybox-static: sh
-  and the core utilities), and Debian's curl, nc (netcat-openbsd), bash, ss (iproute2) and
-  socat with every shared library they load. Entrypoint /agnhost, command `pause`, as upstream.
+  and the core utilities), and Debian's curl, wget, nc (netcat-openbsd), bash, ss (iproute2)
+  and socat with every shared library they load. Entrypoint /agnhost, command `pause`, as upstream.
 - registry.k8s.io/pause:3.10.2: the cluster's own pause program (tools/pause), under the name
   the tests ask for.
 
@@ -30,6 +30,8 @@ TOOLS = {
     "/bin/bash": "bin/bash",
     "/bin/ss": "usr/bin/ss",
     "/usr/bin/socat": "usr/bin/socat",
+    # GNU wget: busybox 1.35's wget (Debian 12) crashes on `-T`, which the tests pass.
+    "/usr/bin/wget": "usr/bin/wget",
 }
 
 

@@ -7,7 +7,8 @@
 #   tools/e2e.sh [--focus REGEX] [--skip REGEX] [--timeout DURATION]
 #
 # Expects a running cluster with splitproxy installed (tools/cluster.sh start; tools/image.sh
-# --repository localhost/splitproxy; tools/cluster.sh images; tools/cluster.sh install).
+# --repository localhost/splitproxy; tools/cluster.sh images; tools/cluster.sh install); deploys
+# the cluster DNS (tools/cluster.sh dns), which the tests use and reach through splitproxy.
 # Default focus: `\[sig-network\] Services`; default skip: tests that need what a one-machine
 # cluster has not (a cloud load balancer, SSH to nodes, more nodes) or that disrupt the
 # cluster itself ([Disruptive], [Serial]). Writes the JUnit report and the log under
@@ -33,11 +34,18 @@ done
 say() { printf '[e2e] %s\n' "$*" >&2; }
 
 [ -f "$dir/nodes-count" ] || { say "no cluster in $dir (tools/cluster.sh start)"; exit 1; }
-command -v busybox >/dev/null || [ -x /bin/busybox ] || {
-  say "installing Debian's busybox-static, netcat-openbsd, socat (tools the tests run in agnhost)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static netcat-openbsd socat >/dev/null
-}
+need=()
+[ -x /bin/busybox ] || need+=(busybox-static)
+[ -x /usr/bin/nc.openbsd ] || need+=(netcat-openbsd)
+command -v socat >/dev/null || need+=(socat)
+command -v wget >/dev/null || need+=(wget)
+if [ ${#need[@]} -gt 0 ]; then
+  say "installing Debian's ${need[*]} (tools the tests run inside agnhost pods)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
 "$here/build-tools.sh" e2e >/dev/null
+# Most Service tests reach their Service by its DNS name.
+"$here/cluster.sh" dns
 "$here/pause-image.sh" >/dev/null
 images=$dir/e2e/images
 rm -rf "$images"; mkdir -p "$images"

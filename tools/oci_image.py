@@ -17,6 +17,7 @@ DESCRIPTIONS = {
     "splitproxy-actuator": "splitproxy actuator: applies the brain's deltas to this node's nftables over netlink (needs CAP_NET_ADMIN)",
     "splitproxy-check": "splitproxy's helm test program: passes when every actuator's node holds its brain's latest state",
     "splitproxy-pause": "splitproxy's local pod sandbox (pause) image for tools/cluster.sh: sleeps until SIGTERM or SIGINT",
+    "coredns": "CoreDNS, the cluster DNS of tools/cluster.sh (built from the Go module proxy)",
     "splitproxy-echo": "splitproxy's test server and probe client for pods on a real cluster (tools/cluster.sh)",
 }
 
