@@ -68,6 +68,9 @@ def main():
                              text=True).stdout.split()
     for applet in applets:
         links["bin/" + applet] = "/bin/busybox"
+    # The shell is bash, not busybox's: busybox's ash runs its own applets before PATH (Debian
+    # builds it "standalone"), so `sh -c 'nc -v ...'` would get busybox's nc, not netcat.
+    links["bin/sh"] = "/bin/bash"
     for src, dest in TOOLS.items():
         files[dest] = (0o755, read(src))
         links.pop("bin/" + os.path.basename(dest), None)
