@@ -258,6 +258,11 @@ pub struct NodeInfo {
 }
 
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// A Service or EndpointSlice with this label (any value) is no Service proxy's: kube-proxy
+/// lists both through one selector that excludes it (`!service.kubernetes.io/headless`), so a
+/// slice that gains it stops being served, as if deleted (the upstream e2e test "should
+/// implement service.kubernetes.io/headless").
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
 /// kube-proxy's default session affinity timeout (3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
@@ -286,6 +291,9 @@ pub fn service(
         .get(SERVICE_PROXY_NAME_LABEL)
         .map(String::as_str);
     if proxy.unwrap_or("") != filter.proxy_name {
+        return None;
+    }
+    if svc.labels().contains_key(HEADLESS_LABEL) {
         return None;
     }
     let spec = svc.spec.as_ref()?;
@@ -449,9 +457,12 @@ pub fn usable_endpoint_ip(ip: IpAddr) -> bool {
     }
 }
 
-/// Reduces an EndpointSlice; `None` if it belongs to no Service or has an address type the
-/// dataplane does not forward to (FQDN).
+/// Reduces an EndpointSlice; `None` if it belongs to no Service, is labelled
+/// [`HEADLESS_LABEL`], or has an address type the dataplane does not forward to (FQDN).
 pub fn slice(slice: &EndpointSlice, metrics: &Metrics) -> Option<Arc<SliceInfo>> {
+    if slice.labels().contains_key(HEADLESS_LABEL) {
+        return None;
+    }
     let key = ObjectKey::of(slice);
     let service_name = slice.labels().get(SERVICE_NAME_LABEL)?.clone();
     let family = match slice.address_type.as_str() {

@@ -658,6 +658,48 @@ fn session_affinity_and_hairpin_and_proxy_name() {
     ));
 }
 
+/// `service.kubernetes.io/headless` on an EndpointSlice or a Service takes it away from every
+/// Service proxy, as kube-proxy's list selector does: a slice that gains the label stops
+/// serving (the Service rejects, having no endpoints), and a labelled Service is not ours.
+#[test]
+fn the_headless_label_hides_slices_and_services() {
+    let mut c = Cluster::new();
+    c.service(svc(
+        "custom",
+        "ClusterIP",
+        "10.96.0.72",
+        &[(80, 0)],
+        json!({}),
+    ));
+    let mut s = slice("custom-1", "custom", &[ready("10.244.1.7", "node-a")]);
+    c.slice(s.clone());
+    let served = contents(&c.node("node-a"));
+    assert!(has(&served, "service-ports-1", "10.96.0.72 . tcp . 80"));
+    s["metadata"]["labels"]["service.kubernetes.io/headless"] = json!("");
+    c.slice(s);
+    let hidden = contents(&c.node("node-a"));
+    assert!(!has(&hidden, "service-ports-1", "10.96.0.72 . tcp . 80"));
+    assert!(has(
+        &hidden,
+        "no-endpoint-services",
+        "10.96.0.72 . tcp . 80"
+    ));
+
+    let mut labelled = svc("labelled", "ClusterIP", "10.96.0.73", &[(80, 0)], json!({}));
+    labelled["metadata"]["labels"] = json!({"service.kubernetes.io/headless": ""});
+    c.service(labelled);
+    c.slice(slice(
+        "labelled-1",
+        "labelled",
+        &[ready("10.244.1.8", "node-a")],
+    ));
+    assert!(!has(
+        &contents(&c.node("node-a")),
+        "cluster-ips",
+        "10.96.0.73"
+    ));
+}
+
 /// Overlays kept incrementally over a churn of Services, slices and Nodes equal overlays
 /// computed from scratch, node by node, and their digests add up to the node's whole table.
 #[test]
