@@ -700,6 +700,11 @@ release_ns=splitproxy
 image_repo=localhost/splitproxy
 images=(splitproxy-brain splitproxy-actuator splitproxy-check splitproxy-echo)
 
+# The chart's appVersion: the tag tools/image.sh gives the images.
+chart_version() {
+  sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml"
+}
+
 # Helm's caches and configuration under the state directory, not in $HOME.
 helm_admin() {
   HELM_CACHE_HOME=$dir/helm/cache HELM_CONFIG_HOME=$dir/helm/config \
@@ -743,7 +748,7 @@ cmd_tag() { # TAG
   local tag=${1:-} n i name version
   [[ $tag =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || die "bad TAG '$tag'"
   n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
-  version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml")
+  version=$(chart_version)
   for ((i = 0; i < n; i++)); do
     for name in "${images[@]}"; do
       ctr_node "$i" images tag --force "$image_repo/$name:$version" "$image_repo/$name:$tag" \
@@ -759,7 +764,7 @@ cmd_tag() { # TAG
 cmd_install() { # [HELM ARGS]
   local n version
   n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
-  version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml")
+  version=$(chart_version)
   helm_admin upgrade --install "$release" "$here/../charts/splitproxy" \
     --namespace "$release_ns" --create-namespace \
     --set kubeProxy.mode=replace --set k8sServiceHost="$api_ip" --set k8sServicePort=6443 \
@@ -782,7 +787,7 @@ cmd_install() { # [HELM ARGS]
 cmd_cleanup() {
   local n i version pod phase
   n=$(cat "$dir/nodes-count" 2>/dev/null) || die "no cluster in $dir"
-  version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$here/../charts/splitproxy/Chart.yaml")
+  version=$(chart_version)
   for ((i = 0; i < n; i++)); do
     # kubectl debug says "Creating debugging pod NAME with container ..." and returns.
     pod=$(kubectl_admin debug "node/$(node_name "$i")" --profile=netadmin \

@@ -24,6 +24,10 @@ if [ "${1:-test}" = cluster ]; then
   # containerd's OCI runtime and the pod network plugins (ptp, host-local, loopback in
   # /usr/lib/cni) of tools/cluster.sh's nodes.
   command -v runc >/dev/null || need+=(runc)
+  # tools/cluster.sh makes the cluster's certificates with openssl and sets each node's
+  # ip_forward with sysctl (procps); neither is in a minimal Debian.
+  command -v openssl >/dev/null || need+=(openssl)
+  command -v sysctl >/dev/null || need+=(procps)
   [ -x /usr/lib/cni/ptp ] || need+=(containernetworking-plugins)
 fi
 if [ ${#need[@]} -gt 0 ]; then

@@ -116,6 +116,13 @@ impl Cluster {
         self.script_ok(&all)
     }
 
+    /// Waits (at most 120 s) until `kubectl rollout status` of `what` (e.g.
+    /// `deployment/echo`) in `namespace` says it is complete.
+    pub fn rollout(&self, namespace: &str, what: &str) -> Result<()> {
+        self.kubectl(&["-n", namespace, "rollout", "status", what, "--timeout=120s"])
+            .map(drop)
+    }
+
     /// `kubectl apply` of a manifest given as text.
     pub fn apply(&self, manifest: &str) -> Result<()> {
         let file = tempfile::Builder::new()

@@ -249,16 +249,7 @@ fn helm_install_on_real_kubelets_serves_upgrades_and_uninstalls_without_loss() {
             .apply(&client_yaml.replace("NODE", &Cluster::node_name(i)))
             .unwrap();
     }
-    cluster
-        .kubectl(&[
-            "-n",
-            NS,
-            "rollout",
-            "status",
-            "deployment/echo",
-            "--timeout=120s",
-        ])
-        .unwrap();
+    cluster.rollout(NS, "deployment/echo").unwrap();
     cluster
         .kubectl(&[
             "-n",
@@ -377,16 +368,7 @@ fn helm_install_on_real_kubelets_serves_upgrades_and_uninstalls_without_loss() {
     cluster
         .kubectl(&["-n", NS, "scale", "deployment/echo", "--replicas=4"])
         .unwrap();
-    cluster
-        .kubectl(&[
-            "-n",
-            NS,
-            "rollout",
-            "status",
-            "deployment/echo",
-            "--timeout=120s",
-        ])
-        .unwrap();
+    cluster.rollout(NS, "deployment/echo").unwrap();
     let four = ready_echo_pods(&cluster);
     assert_eq!(four.len(), 4);
     wait_until(Duration::from_secs(60), Duration::from_millis(500), || {
@@ -507,14 +489,7 @@ fn helm_install_on_real_kubelets_serves_upgrades_and_uninstalls_without_loss() {
         ])
         .unwrap();
     cluster
-        .kubectl(&[
-            "-n",
-            RELEASE_NS,
-            "rollout",
-            "status",
-            "deployment/splitproxy-brain",
-            "--timeout=120s",
-        ])
+        .rollout(RELEASE_NS, "deployment/splitproxy-brain")
         .unwrap();
     std::thread::sleep(Duration::from_secs(3));
     assert_lossless("brain pod killed", lp.finish());
@@ -537,16 +512,7 @@ fn helm_install_on_real_kubelets_serves_upgrades_and_uninstalls_without_loss() {
             "--timeout=120s",
         ])
         .unwrap();
-    cluster
-        .kubectl(&[
-            "-n",
-            NS,
-            "rollout",
-            "status",
-            "deployment/echo",
-            "--timeout=120s",
-        ])
-        .unwrap();
+    cluster.rollout(NS, "deployment/echo").unwrap();
     std::thread::sleep(Duration::from_secs(3));
     assert_lossless("node drained", lp.finish());
     assert!(
