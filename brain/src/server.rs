@@ -286,7 +286,7 @@ impl Dataplane for DataplaneService {
             }
             fanout.disconnect(&node, id);
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(updates(rx))))
     }
 
     async fn list_nodes(
@@ -515,13 +515,29 @@ async fn until_stale(fanout: &Fanout) {
     }
 }
 
+/// The response stream of one node's session: every update's frames are handed over at once,
+/// so the encoder finds them all ready and writes them in one go (one TLS record run, one
+/// `writev`) instead of one write per frame: with a one-slot channel of single frames, the
+/// second frame of every update waited for the first to be written.
+fn updates(
+    rx: mpsc::Receiver<Result<Vec<UpdateFrame>, Status>>,
+) -> impl Stream<Item = Result<UpdateFrame, Status>> + Send {
+    futures::StreamExt::flat_map(ReceiverStream::new(rx), |batch| {
+        let frames: Vec<Result<UpdateFrame, Status>> = match batch {
+            Ok(frames) => frames.into_iter().map(Ok).collect(),
+            Err(e) => vec![Err(e)],
+        };
+        futures::stream::iter(frames)
+    })
+}
+
 /// One node's stream: wait until the brain is synced (no empty push), then send an update
 /// whenever the desired state moves and the previous update has been answered.
 async fn session(
     fanout: &Fanout,
     hello: &splitproxy_proto::v1::Hello,
     mut inbound: Streaming<SyncRequest>,
-    tx: mpsc::Sender<Result<UpdateFrame, Status>>,
+    tx: mpsc::Sender<Result<Vec<UpdateFrame>, Status>>,
 ) -> Result<(), Status> {
     let node = hello.node.as_str();
     let (mut desired_rx, mut synced_rx) = fanout.subscribe();
@@ -585,11 +601,9 @@ async fn session(
             snapshot = base.is_none(),
             "sending update"
         );
-        for frame in frames {
-            tx.send(Ok(frame))
-                .await
-                .map_err(|_| Status::cancelled("node went away"))?;
-        }
+        tx.send(Ok(frames))
+            .await
+            .map_err(|_| Status::cancelled("node went away"))?;
         let ack = match tokio::time::timeout(ACK_TIMEOUT, next_inbound(fanout, node, &mut inbound))
             .await
         {
