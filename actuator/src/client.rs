@@ -302,6 +302,7 @@ async fn stream<K: Kernel + Send + 'static>(
                 digest: applied.digest,
             }),
             version: env!("CARGO_PKG_VERSION").into(),
+            encodings: vec![splitproxy_proto::compress::ZSTD.into()],
         })),
     })
     .await?;
@@ -347,6 +348,8 @@ async fn stream<K: Kernel + Send + 'static>(
         };
         let Some(update) = update else { break };
         let mut update = update?;
+        // A compressed part (`Update.zstd`) is decoded into the update in its place.
+        splitproxy_proto::compress::inflate(&mut update, transport::MAX_UPDATE_MESSAGE)?;
         if let Some(p) = &pending
             && p.meta.generation != update.generation
         {

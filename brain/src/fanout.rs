@@ -145,6 +145,8 @@ pub struct NodeState {
     pub news_after: u64,
     /// The digest the node said it holds in its Hello, until its first ack.
     pub hello_digest: Vec<u8>,
+    /// Whether the node's Hello says it reads zstd-compressed parts (`Hello.encodings`).
+    pub zstd: bool,
     /// While the brain does not know what the node holds (before its first ack, after a NACK):
     /// since when it has been behind, for its lag.
     pub behind_since: Option<Instant>,
@@ -162,6 +164,43 @@ type BodyKey = (u64, u64);
 /// The shared part of one update, encoded once for every node at the same base.
 struct EncodedBody {
     parts: Vec<Bytes>,
+    /// The same parts for nodes that read zstd: each large one compressed, the others as they
+    /// are (see `splitproxy_proto::compress`). Made when the first such node needs them.
+    compressed: std::sync::OnceLock<Vec<Bytes>>,
+}
+
+impl EncodedBody {
+    fn new(parts: Vec<Bytes>) -> Self {
+        EncodedBody {
+            parts,
+            compressed: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The parts to send a node: compressed if it reads zstd.
+    fn parts_for(&self, zstd: bool, metrics: &Metrics) -> &[Bytes] {
+        if !zstd {
+            return &self.parts;
+        }
+        self.compressed.get_or_init(|| {
+            let start = Instant::now();
+            let parts: Vec<Bytes> = self
+                .parts
+                .iter()
+                .map(|p| {
+                    splitproxy_proto::compress::compress_part(p)
+                        .inspect(|_| {
+                            metrics.compressed_parts.fetch_add(1, Ordering::Relaxed);
+                        })
+                        .unwrap_or_else(|| p.clone())
+                })
+                .collect();
+            metrics
+                .compress_micros_total
+                .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+            parts
+        })
+    }
 }
 
 /// Identifies an encoded tail: (the version after which changes are news, target version).
@@ -432,9 +471,7 @@ impl Fanout {
                 Some(b) => Body::Delta(b.shared.diff(&target.shared)),
                 None => Body::Snapshot(target.shared.to_ruleset()),
             };
-            EncodedBody {
-                parts: encode_parts(body, self.part_elements),
-            }
+            EncodedBody::new(encode_parts(body, self.part_elements))
         });
         let news_after = match base {
             Some(b) => b.version,
@@ -445,18 +482,18 @@ impl Fanout {
             Some(b) => Body::Delta(crate::overlay::delta(&b.overlay, &target.overlay)),
             None => Body::Snapshot(target.overlay.to_ruleset()),
         };
-        let (generation, base_generation, base_digest) = {
+        let (generation, base_generation, base_digest, zstd) = {
             let mut nodes = self.nodes.lock().ok()?;
             let st = nodes.entry(node.to_string()).or_default();
             st.generation += 1;
             match base {
-                None => (st.generation, 0, Vec::new()),
+                None => (st.generation, 0, Vec::new(), st.zstd),
                 // Acked here: the base is named by its generation.
                 Some(_) if st.acked_generation != 0 => {
-                    (st.generation, st.acked_generation, Vec::new())
+                    (st.generation, st.acked_generation, Vec::new(), st.zstd)
                 }
                 // Resumed by content and not acked here since: by its digest.
-                Some(b) => (st.generation, 0, b.digest()),
+                Some(b) => (st.generation, 0, b.digest(), st.zstd),
             }
         };
         let node_part = node_part(own, target.digest(), base_digest);
@@ -468,7 +505,7 @@ impl Fanout {
             extra,
         };
         let mut frames: Vec<UpdateFrame> = shared
-            .parts
+            .parts_for(zstd, &self.metrics)
             .iter()
             .map(|part| frame(part.clone(), Bytes::new()))
             .collect();
@@ -851,6 +888,17 @@ impl Fanout {
         if let Ok(mut nodes) = self.nodes.lock() {
             let st = nodes.entry(node.to_string()).or_default();
             st.hello_digest = applied.map(|a| a.digest.clone()).unwrap_or_default();
+        }
+    }
+
+    /// The encodings the node's Hello says it reads (`Hello.encodings`): large shared parts go
+    /// to it compressed when it reads zstd.
+    pub fn accept_encodings(&self, node: &str, encodings: &[String]) {
+        if let Ok(mut nodes) = self.nodes.lock() {
+            let st = nodes.entry(node.to_string()).or_default();
+            st.zstd = encodings
+                .iter()
+                .any(|e| e == splitproxy_proto::compress::ZSTD);
         }
     }
 

@@ -42,6 +42,10 @@ pub struct Metrics {
     pub publications: AtomicU64,
     pub encodes: AtomicU64,
     pub encoded_bytes: AtomicU64,
+    /// Distinct update parts compressed (each shared by every node that reads zstd), and the
+    /// CPU time that took.
+    pub compressed_parts: AtomicU64,
+    pub compress_micros_total: AtomicU64,
     /// Sessions started, by how the node was resumed ([`Resumption`]).
     resumptions: [AtomicU64; 3],
     /// Publication to the last connected node's ack.
@@ -397,6 +401,18 @@ impl Metrics {
             "counter",
             "Bytes of distinct update bodies encoded.",
             c(&self.encoded_bytes),
+        );
+        one(
+            &mut out,
+            "splitproxy_brain_compressed_parts_total",
+            "counter",
+            "Distinct update parts compressed with zstd (once for every node that reads it).",
+            c(&self.compressed_parts),
+        );
+        out.counter(
+            "splitproxy_brain_compress_seconds_total",
+            "Time spent compressing distinct update parts.",
+            self.compress_micros_total.load(Ordering::Relaxed) as f64 / 1e6,
         );
         one(
             &mut out,

@@ -270,6 +270,7 @@ impl Dataplane for DataplaneService {
             let node = hello.node.clone();
             let (id, replaced) = fanout.connect(&node, &peer);
             fanout.hello(&node, hello.applied.as_ref());
+            fanout.accept_encodings(&node, &hello.encodings);
             let status_tx = tx.clone();
             let ended = tokio::select! {
                 r = session(&fanout, &hello, inbound, tx) => r,

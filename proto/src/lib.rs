@@ -3,6 +3,7 @@
 //! rendering used by logs, introspection and golden tests.
 #![forbid(unsafe_code)]
 
+pub mod compress;
 pub mod explain;
 pub mod family;
 pub mod frames;

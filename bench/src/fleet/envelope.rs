@@ -39,6 +39,40 @@ impl Envelope {
     }
 }
 
+/// Decompressed parts (`Update.zstd`) by a hash of their compressed bytes: every node at the same
+/// base gets the same compressed part, and the fleet decompresses it once, as it decodes shared
+/// parts once ([`super::shared`]); a real actuator decompresses its own copy
+/// (`splitproxy_proto::compress::inflate`).
+fn inflated(compressed: &Bytes) -> Result<Bytes, String> {
+    use std::collections::HashMap;
+    use std::hash::{Hash, Hasher};
+    use std::sync::{Mutex, OnceLock};
+    /// Distinct parts kept; more are dropped all at once (they are the older states').
+    const KEEP: usize = 512;
+    static CACHE: OnceLock<Mutex<HashMap<u64, Bytes>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    compressed.hash(&mut h);
+    let key = h.finish();
+    if let Some(b) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
+        return Ok(b);
+    }
+    let mut u = splitproxy_proto::v1::Update {
+        zstd: compressed.to_vec(),
+        ..Default::default()
+    };
+    splitproxy_proto::compress::inflate(&mut u, splitproxy_proto::transport::MAX_UPDATE_MESSAGE)
+        .map_err(|e| e.to_string())?;
+    let plain = Bytes::from(u.encode_to_vec());
+    if let Ok(mut c) = cache.lock() {
+        if c.len() >= KEEP {
+            c.clear();
+        }
+        c.insert(key, plain.clone());
+    }
+    Ok(plain)
+}
+
 /// Decodes the fields of `splitproxy.v1.Update` by tag (proto/proto/splitproxy/v1/dataplane.proto);
 /// unknown fields are skipped, so a newer brain's additions do not break the fleet.
 impl Message for Envelope {
@@ -78,6 +112,18 @@ impl Message for Envelope {
             8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
             9 => prost::encoding::bool::merge(wire_type, &mut self.more, buf, ctx),
             10 => bytes::merge(wire_type, &mut self.base_digest, buf, ctx),
+            12 => {
+                let mut compressed = Bytes::new();
+                bytes::merge(wire_type, &mut compressed, buf, ctx)?;
+                // prost has no other public way to say why a field does not decode.
+                #[allow(deprecated)]
+                let plain = inflated(&compressed).map_err(prost::DecodeError::new)?;
+                // The fields inside count as what they took on the wire: the compressed bytes.
+                let wire_len = self.wire_len;
+                let r = self.merge(plain);
+                self.wire_len = wire_len;
+                r
+            }
             _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
         };
         self.wire_len += before - buf.remaining();

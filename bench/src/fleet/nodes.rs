@@ -190,6 +190,7 @@ impl VirtualFleet {
                 node: node.name.clone(),
                 applied,
                 version: "virtual".into(),
+                encodings: vec![splitproxy_proto::compress::ZSTD.into()],
             })),
         })
         .await?;
