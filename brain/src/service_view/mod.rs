@@ -6,8 +6,14 @@
 //! watch path pays nothing until an operator asks. Where each node stands comes from the
 //! fan-out: the publication that carries the Service's latest change (from its change log) and
 //! each node's acked version, and the latency of that publication's acks
-//! ([`crate::fanout::Fanout::rollout_latency`]).
-use std::sync::Arc;
+//! ([`crate::fanout::Fanout::rollout_latency`]). How each node sees the Service's endpoints
+//! comes from the rulesets of the latest publication ([`variants`]), computed on the gRPC side
+//! once per publication and Service, and kept for the streams that ask again.
+mod render;
+pub mod variants;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use splitproxy_proto::v1::{
@@ -15,30 +21,57 @@ use splitproxy_proto::v1::{
     service_rollout::State,
 };
 use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
 
-use crate::fanout::NodeState;
+use crate::fanout::{NodeState, Publication};
+use crate::index::Index;
 use crate::objects::{ObjectKey, ServiceInfo, SliceInfo};
+use variants::Variants;
 
 /// How many questions may wait for the watch task.
 pub const QUERIES: usize = 64;
+/// Variants kept, by Service and publication: enough for the Services being watched at once.
+const KEPT_VARIANTS: usize = 32;
+/// How long the watch task may take to answer.
+const ANSWER_WITHIN: Duration = Duration::from_secs(5);
 
-/// A question for the watch task: this Service and its slices, now.
+/// A question for the watch task: this Service and its slices, now; with `zones`, also every
+/// node's zone (asked only when the variants are computed).
 pub struct ServiceQuery {
     pub key: ObjectKey,
+    pub zones: bool,
     pub reply: oneshot::Sender<Option<ServiceView>>,
 }
-
-/// Where questions go.
-pub type Queries = mpsc::Sender<ServiceQuery>;
 
 /// One Service and its EndpointSlices, as the index holds them.
 #[derive(Debug, Clone)]
 pub struct ServiceView {
     pub info: Arc<ServiceInfo>,
     pub slices: Vec<Arc<SliceInfo>>,
+    /// Node name to zone, for the nodes with one; empty unless the query asked.
+    pub zones: HashMap<String, String>,
 }
 
 impl ServiceView {
+    /// The answer to `query` from `index` (on the watch task: clones of a few `Arc`s, and the
+    /// nodes' zones only when asked).
+    pub fn of(index: &Index, query: &ServiceQuery) -> Option<ServiceView> {
+        let info = index.service(&query.key)?.clone();
+        let zones = if query.zones {
+            index
+                .nodes()
+                .filter_map(|n| Some((n.name.clone(), n.zone.clone()?)))
+                .collect()
+        } else {
+            HashMap::new()
+        };
+        Some(ServiceView {
+            info,
+            slices: index.slices_of(&query.key).cloned().collect(),
+            zones,
+        })
+    }
+
     /// The change-log names of its objects (see the indexer): the Service and its slices.
     pub fn object_names(&self) -> Vec<String> {
         let mut names = vec![format!("Service {}", self.info.key)];
@@ -49,6 +82,96 @@ impl ServiceView {
         );
         names
     }
+}
+
+/// Where questions go, and the variants computed lately.
+#[derive(Clone)]
+pub struct Queries {
+    tx: mpsc::Sender<ServiceQuery>,
+    kept: Arc<Mutex<VecDeque<(ObjectKey, u64, Arc<Variants>)>>>,
+}
+
+/// The gRPC side's end and the watch task's end of the question channel.
+pub fn channel() -> (Queries, mpsc::Receiver<ServiceQuery>) {
+    let (tx, rx) = mpsc::channel(QUERIES);
+    (
+        Queries {
+            tx,
+            kept: Arc::default(),
+        },
+        rx,
+    )
+}
+
+impl Queries {
+    /// The Service `key` as the index holds it now (`None`: no such Service splitproxy serves).
+    pub async fn ask(&self, key: &ObjectKey, zones: bool) -> Result<Option<ServiceView>, Status> {
+        let (reply, answer) = oneshot::channel();
+        let asked = self.tx.try_send(ServiceQuery {
+            key: key.clone(),
+            zones,
+            reply,
+        });
+        if asked.is_err() {
+            return Err(Status::unavailable("too many questions at once; try again"));
+        }
+        tokio::time::timeout(ANSWER_WITHIN, answer)
+            .await
+            .map_err(|_| Status::unavailable("the index did not answer in time"))?
+            .map_err(|_| Status::unavailable("the index is gone"))
+    }
+
+    /// The Service `key` and its variants at `publication`: computed off the async threads
+    /// when not kept already (once per publication and Service, however many streams ask).
+    pub async fn ask_with_variants(
+        &self,
+        key: &ObjectKey,
+        publication: Arc<Publication>,
+    ) -> Result<Option<(ServiceView, Arc<Variants>)>, Status> {
+        let version = publication.version;
+        let kept = self.kept(key, version);
+        let Some(view) = self.ask(key, kept.is_none()).await? else {
+            return Ok(None);
+        };
+        if let Some(v) = kept {
+            return Ok(Some((view, v)));
+        }
+        let for_compute = view.clone();
+        let computed =
+            tokio::task::spawn_blocking(move || variants::compute(&for_compute, &publication))
+                .await
+                .map_err(|_| Status::internal("computing the variants failed"))?;
+        let computed = Arc::new(computed);
+        self.keep(key, version, computed.clone());
+        Ok(Some((view, computed)))
+    }
+
+    fn kept(&self, key: &ObjectKey, version: u64) -> Option<Arc<Variants>> {
+        let kept = self.kept.lock().ok()?;
+        kept.iter()
+            .find(|(k, v, _)| k == key && *v == version)
+            .map(|(_, _, x)| x.clone())
+    }
+
+    fn keep(&self, key: &ObjectKey, version: u64, variants: Arc<Variants>) {
+        if let Ok(mut kept) = self.kept.lock() {
+            kept.retain(|(k, _, _)| k != key);
+            kept.push_back((key.clone(), version, variants));
+            while kept.len() > KEPT_VARIANTS {
+                kept.pop_front();
+            }
+        }
+    }
+}
+
+/// Puts the variants into the answer, with their summary in words.
+pub fn fill(out: &mut GetServiceResponse, v: &Variants) {
+    out.variants = v.variants.clone();
+    out.variants_version = v.version;
+    out.variants_left_out = v.left_out;
+    out.variant_nodes_left_out = v.nodes_left_out;
+    out.destinations_left_out = v.destinations_left_out;
+    out.variants_summary = render::variants(v);
 }
 
 /// The Service's own part of the answer: ports, addresses, policies, endpoints.
