@@ -84,11 +84,14 @@ impl ServiceView {
     }
 }
 
+/// Variants computed lately: (Service, publication version, variants), oldest first.
+type Kept = VecDeque<(ObjectKey, u64, Arc<Variants>)>;
+
 /// Where questions go, and the variants computed lately.
 #[derive(Clone)]
 pub struct Queries {
     tx: mpsc::Sender<ServiceQuery>,
-    kept: Arc<Mutex<VecDeque<(ObjectKey, u64, Arc<Variants>)>>>,
+    kept: Arc<Mutex<Kept>>,
 }
 
 /// The gRPC side's end and the watch task's end of the question channel.

@@ -50,7 +50,7 @@ pub const MAX_VARIANTS: usize = 16;
 /// Node names listed per variant.
 pub const SAMPLE_NODES: usize = 10;
 /// Endpoints listed per traffic.
-pub const MAX_ENDPOINTS: usize = 64;
+pub const MAX_ENDPOINTS: usize = 32;
 
 /// The client outside the cluster that external traffic comes from (documentation ranges, so
 /// no cluster's pod or node address), unless source ranges restrict the destination.
@@ -166,8 +166,21 @@ fn under<'a>(
 /// elements under the Service's destinations, and the families it has a NodePort address in.
 #[derive(Debug, PartialEq, Eq, Hash)]
 struct Signature<'a> {
-    elements: Vec<(usize, &'a str, &'a [u8], &'a [u8])>,
+    /// Sorted by destination.
+    elements: Vec<ElementRef<'a>>,
     nodeport_families: [bool; 2],
+}
+
+/// (destination, set, key, element) of an overlay element under one of the destinations.
+type ElementRef<'a> = (usize, &'a str, &'a [u8], &'a [u8]);
+
+impl<'a> Signature<'a> {
+    /// The elements under destination `d`.
+    fn under(&self, d: usize) -> &[ElementRef<'a>] {
+        let start = self.elements.partition_point(|e| e.0 < d);
+        let end = self.elements.partition_point(|e| e.0 <= d);
+        &self.elements[start..end]
+    }
 }
 
 fn signature<'a>(
@@ -247,32 +260,51 @@ pub fn compute(view: &ServiceView, publication: &Publication) -> Variants {
             .or_default()
             .push(node.as_str());
     }
-    let mut groups: Vec<Vec<&str>> = groups.into_values().collect();
-    for g in &mut groups {
+    let mut groups: Vec<(Signature<'_>, Vec<&str>)> = groups.into_iter().collect();
+    for (_, g) in &mut groups {
         g.sort_unstable();
     }
-    groups.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a[0].cmp(b[0])));
+    groups.sort_by(|(_, a), (_, b)| b.len().cmp(&a.len()).then_with(|| a[0].cmp(b[0])));
 
-    // One node of each group evaluated; groups that evaluate alike are one variant.
+    // One node of each group evaluated, each destination once per distinct content under it
+    // (the same argument, per destination: a node's packet to it reads only elements under
+    // it); groups that evaluate alike are one variant.
     let terminating = terminating_addresses(view);
+    let mut evaluated: HashMap<(usize, &[ElementRef<'_>], bool), ServiceTraffic> = HashMap::new();
     let mut found: Vec<(Vec<ServiceTraffic>, Vec<&str>)> = Vec::new();
-    for (i, group) in groups.iter().enumerate() {
+    for (i, (signature, group)) in groups.iter().enumerate() {
         if i >= MAX_GROUPS {
             out.left_out += 1;
             out.nodes_left_out += group.len() as u32;
             continue;
         }
-        let Some(held) = publication.held(group[0]) else {
-            continue;
-        };
-        let model = held.full();
-        let addresses = crate::explain::node_addresses(&model);
-        let evaluated: Vec<ServiceTraffic> = dests
-            .iter()
-            .zip(&clients)
-            .map(|(d, client)| evaluate(&model, &addresses, d, *client, &terminating))
-            .collect();
-        let traffic = merge(evaluated);
+        let mut node: Option<(Model, Vec<IpAddr>)> = None;
+        let mut traffic = Vec::with_capacity(dests.len());
+        for (d, dest) in dests.iter().enumerate() {
+            let key = (
+                d,
+                signature.under(d),
+                signature.nodeport_families[family_index(dest.family())],
+            );
+            if let Some(t) = evaluated.get(&key) {
+                traffic.push(t.clone());
+                continue;
+            }
+            if node.is_none() {
+                node = publication.held(group[0]).map(|held| {
+                    let model = held.full();
+                    let addresses = crate::explain::node_addresses(&model);
+                    (model, addresses)
+                });
+            }
+            let Some((model, addresses)) = node.as_ref() else {
+                break;
+            };
+            let t = evaluate(model, addresses, dest, clients[d], &terminating);
+            evaluated.insert(key, t.clone());
+            traffic.push(t);
+        }
+        let traffic = merge(traffic);
         match found.iter_mut().find(|(t, _)| *t == traffic) {
             Some((_, nodes)) => nodes.extend(group.iter().copied()),
             None => found.push((traffic, group.clone())),
@@ -419,6 +451,11 @@ fn evaluate(
     let r = explain::explain(model, &packet, Vec::new());
     t.fate = r.fate;
     t.exact = r.exact;
+    if !r.exact {
+        // What the evaluation could not know or left out (the packet's own defaults are
+        // given, so these are all the evaluation's).
+        t.note = r.assumptions.join("; ");
+    }
     t.affinity = r.affinity;
     let mut endpoints: BTreeMap<(IpAddr, u16), TrafficEndpoint> = BTreeMap::new();
     for o in r

@@ -486,3 +486,78 @@ fn before_the_first_publication() {
     assert_eq!(v, Variants::default());
     assert_eq!(render::variants(&v), "no desired state published yet");
 }
+
+/// The cost at scale (run with `--ignored --nocapture`, in release): 5,000 nodes in three zones;
+/// a plain Service, a topology-hinted one, and the worst case, an externalTrafficPolicy Local
+/// Service with an endpoint on every node (5,000 distinct views). The answer stays small.
+#[test]
+#[ignore]
+fn at_5000_nodes() {
+    use prost::Message;
+    const NODES: usize = 5000;
+    let names: Vec<String> = (0..NODES).map(|i| format!("node-{i:04}")).collect();
+    let zones = ["zone-1", "zone-2", "zone-3"];
+    let nodes: Vec<(&str, &str)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), zones[i % 3]))
+        .collect();
+    let mut c = Cluster::new(&nodes);
+    let ip = |i: usize| format!("10.{}.{}.{}", 100 + i / 65536, (i / 256) % 256, i % 256);
+    let ips: Vec<String> = (0..NODES).map(ip).collect();
+    c.service(service(
+        "web",
+        "ClusterIP",
+        "10.96.0.10",
+        http(None),
+        json!({}),
+    ));
+    let web: Vec<Ep> = (0..10)
+        .map(|i| (ips[i].as_str(), names[i].as_str(), "", true))
+        .collect();
+    c.slice(slice("web-1", "web", &web));
+    c.service(service(
+        "topo",
+        "ClusterIP",
+        "10.96.0.11",
+        http(None),
+        json!({}),
+    ));
+    let topo: Vec<Ep> = (10..16)
+        .map(|i| (ips[i].as_str(), names[i].as_str(), zones[i % 3], true))
+        .collect();
+    c.slice(slice("topo-1", "topo", &topo));
+    c.service(service(
+        "ds",
+        "NodePort",
+        "10.96.0.12",
+        http(Some(30012)),
+        json!({"externalTrafficPolicy": "Local"}),
+    ));
+    let ds: Vec<Ep> = (0..NODES)
+        .map(|i| (ips[i].as_str(), names[i].as_str(), "", true))
+        .collect();
+    c.slice(slice("ds-1", "ds", &ds));
+    let built = std::time::Instant::now();
+    let p = c.publication();
+    eprintln!(
+        "publication of {NODES} nodes built in {:?}",
+        built.elapsed()
+    );
+    for name in ["web", "topo", "ds"] {
+        let view = c.view(name);
+        let start = std::time::Instant::now();
+        let v = compute(&view, &p);
+        let took = start.elapsed();
+        let mut out = splitproxy_proto::v1::GetServiceResponse::default();
+        crate::service_view::fill(&mut out, &v);
+        eprintln!(
+            "{name}: {} variants listed, {} left out, computed in {took:?}, {} bytes",
+            v.variants.len(),
+            v.left_out,
+            out.encoded_len()
+        );
+        assert!(v.variants.len() <= MAX_VARIANTS);
+        assert!(out.encoded_len() < 64 * 1024);
+    }
+}
