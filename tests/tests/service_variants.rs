@@ -365,10 +365,8 @@ async fn get_service_shows_each_node_variant() {
             String::from_utf8_lossy(&out.stderr)
         )
     });
-    let summary = json["variantsSummary"]
-        .as_str()
-        .or(json["variants_summary"].as_str())
-        .unwrap_or_default();
+    // grpcurl writes field names in JSON's camelCase (`jq -r .variantsSummary`).
+    let summary = json["variantsSummary"].as_str().unwrap_or_default();
     assert!(
         summary.starts_with("3 variants over 3 nodes")
             && summary.contains("(node-c), zone zone-2:")

@@ -92,6 +92,10 @@ type Kept = VecDeque<(ObjectKey, u64, Arc<Variants>)>;
 pub struct Queries {
     tx: mpsc::Sender<ServiceQuery>,
     kept: Arc<Mutex<Kept>>,
+    /// Held while variants are computed: one computation at a time, so that streams watching
+    /// the same Service compute each publication's variants once, and never more than one
+    /// blocking thread works on them.
+    computing: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The gRPC side's end and the watch task's end of the question channel.
@@ -101,6 +105,7 @@ pub fn channel() -> (Queries, mpsc::Receiver<ServiceQuery>) {
         Queries {
             tx,
             kept: Arc::default(),
+            computing: Arc::default(),
         },
         rx,
     )
@@ -138,6 +143,10 @@ impl Queries {
         };
         if let Some(v) = kept {
             return Ok(Some((view, v)));
+        }
+        let _computing = self.computing.lock().await;
+        if let Some(v) = self.kept(key, version) {
+            return Ok(Some((view, v))); // another caller computed them meanwhile
         }
         let for_compute = view.clone();
         let computed =
@@ -329,5 +338,56 @@ mod tests {
         assert_eq!(ms(l.p99), 64);
         assert_eq!(ms(l.max), 300);
         assert_eq!(latency(&[0; 20], Duration::ZERO).p50, None);
+    }
+    /// Variants are computed once per publication and Service, and asked again (with the
+    /// nodes' zones) only when the publication moved on.
+    #[tokio::test]
+    async fn variants_are_kept_per_publication() {
+        let (queries, mut rx) = channel();
+        let zones_asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = zones_asked.clone();
+        tokio::spawn(async move {
+            while let Some(q) = rx.recv().await {
+                if q.zones {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                let info = ServiceInfo {
+                    key: q.key.clone(),
+                    cluster_ips: vec!["10.96.0.1".parse().unwrap()],
+                    ..Default::default()
+                };
+                let _ = q.reply.send(Some(ServiceView {
+                    info: Arc::new(info),
+                    slices: Vec::new(),
+                    zones: HashMap::new(),
+                }));
+            }
+        });
+        let key = ObjectKey::new("default", "web");
+        let at = |version| {
+            Arc::new(Publication {
+                version,
+                ..Default::default()
+            })
+        };
+        let (_, first) = queries
+            .ask_with_variants(&key, at(3))
+            .await
+            .unwrap()
+            .unwrap();
+        let (_, again) = queries
+            .ask_with_variants(&key, at(3))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        assert_eq!(zones_asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let (_, next) = queries
+            .ask_with_variants(&key, at(4))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((first.version, next.version), (3, 4));
+        assert_eq!(zones_asked.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 }
