@@ -394,9 +394,12 @@ impl Dataplane for DataplaneService {
                         return;
                     }
                 };
-                // The latency moves with every ack: it is news only with another change.
+                // The latency moves with every ack, and the publication the variants were read
+                // from with every change in the cluster: news only with another change.
                 let mut same = now.clone();
                 same.latency = last.latency;
+                same.variants_version = last.variants_version;
+                same.variants_summary = last.variants_summary.clone();
                 if same != last && tx.try_send(Ok(now.clone())).is_err() {
                     return;
                 }

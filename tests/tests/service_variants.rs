@@ -344,6 +344,20 @@ async fn get_service_shows_each_node_variant() {
         ["10.244.1.11:8080", "10.244.2.11:8080", "10.244.3.11:8080"]
     );
 
+    // A change elsewhere in the cluster is a new publication, but no news for this stream.
+    apply(
+        &slices,
+        slice("web-1", "web", &[("10.244.1.10", "node-a", "")]),
+    )
+    .await;
+    let quiet = tokio::time::timeout(Duration::from_secs(2), watch.message()).await;
+    assert!(
+        quiet.is_err(),
+        "news of another Service's change: {quiet:?}"
+    );
+    let web = client.get_service(ask("web")).await.unwrap().into_inner();
+    assert!(web.variants_version > after.variants_version, "{web:?}");
+
     // Plain grpcurl through reflection shows the same, in words too.
     let grpcurl = splitproxy_tests::tools::binary("grpcurl").unwrap();
     let out = std::process::Command::new(&grpcurl)
