@@ -89,7 +89,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
     // The watches and the index run on a runtime of their own, on their own thread: however
     // busy the fan-out to thousands of streams gets, watch events are taken in as they come.
     // GetService asks the index through a channel.
-    let (queries, queries_rx) = tokio::sync::mpsc::channel(crate::service_view::QUERIES);
+    let (queries, queries_rx) = crate::service_view::channel();
     {
         let fanout = fanout.clone();
         let freshness = freshness.clone();

@@ -123,7 +123,7 @@ type ServiceStream = Pin<Box<dyn Stream<Item = Result<GetServiceResponse, Status
 impl DataplaneService {
     /// What `GetService` answers for `req`.
     async fn service_status(&self, req: &GetServiceRequest) -> Result<GetServiceResponse, Status> {
-        use crate::service_view::{self, ServiceQuery};
+        use crate::service_view;
         if req.namespace.is_empty() || req.name.is_empty() {
             return Err(Status::invalid_argument("namespace and name are required"));
         }
@@ -132,18 +132,9 @@ impl DataplaneService {
             .queries
             .as_ref()
             .ok_or_else(|| Status::unavailable("this brain has no index to ask"))?;
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let asked = queries.try_send(ServiceQuery {
-            key: key.clone(),
-            reply,
-        });
-        if asked.is_err() {
-            return Err(Status::unavailable("too many questions at once; try again"));
-        }
-        let view = tokio::time::timeout(Duration::from_secs(5), answer)
-            .await
-            .map_err(|_| Status::unavailable("the index did not answer in time"))?
-            .map_err(|_| Status::unavailable("the index is gone"))?
+        let (view, variants) = queries
+            .ask_with_variants(&key, self.fanout.publication())
+            .await?
             .ok_or_else(|| {
                 Status::not_found(format!(
                     "no Service {key} that splitproxy serves (headless, ExternalName, another proxy's, or none)"
@@ -173,6 +164,7 @@ impl DataplaneService {
         }
         out.nodes.sort_by(|a, b| a.node.cmp(&b.node));
         out.summary = service_view::summary(&out.nodes);
+        service_view::fill(&mut out, &variants);
         Ok(out)
     }
 
@@ -403,9 +395,12 @@ impl Dataplane for DataplaneService {
                         return;
                     }
                 };
-                // The latency moves with every ack: it is news only with another change.
+                // The latency moves with every ack, and the publication the variants were read
+                // from with every change in the cluster: news only with another change.
                 let mut same = now.clone();
                 same.latency = last.latency;
+                same.variants_version = last.variants_version;
+                same.variants_summary = last.variants_summary.clone();
                 if same != last && tx.try_send(Ok(now.clone())).is_err() {
                     return;
                 }

@@ -201,11 +201,7 @@ impl Runner {
                 self.freshness.contact();
             }
             Input::Query(q) => {
-                let index = self.indexer.index();
-                let view = index.service(&q.key).map(|info| ServiceView {
-                    info: info.clone(),
-                    slices: index.slices_of(&q.key).cloned().collect(),
-                });
+                let view = ServiceView::of(self.indexer.index(), &q);
                 let _ = q.reply.send(view);
             }
             Input::Probe(Err(e)) => {
