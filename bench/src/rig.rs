@@ -30,7 +30,12 @@ pub struct Rig {
     pub fleet: Option<Fleet>,
     pub kube_proxy: Option<KubeProxy>,
     pub actuators: Vec<Actuator>,
-    pub brain: Option<Brain>,
+    /// The brain replicas, by index; `None` while a replica is down (killed by the failover
+    /// phase, stopped by the restart phase).
+    pub brains: Vec<Option<Brain>>,
+    /// Each replica's gRPC address, fixed at its first start: a replica started again listens
+    /// where it did, as a restarted pod behind the same address would, so nodes find it.
+    pub brain_addrs: Vec<SocketAddr>,
     /// Node namespaces: `real` actuator nodes, then kube-proxy's.
     pub cluster: Cluster,
     pub cp: ControlPlane,
@@ -39,9 +44,76 @@ pub struct Rig {
     pub exe: PathBuf,
     pub dir: PathBuf,
     pub real: usize,
-    /// One operator connection to the brain, reused by every poll (a TLS handshake per poll
+    /// One operator connection per replica, reused by every poll (a TLS handshake per poll
     /// would load the brain being measured).
-    operator: tokio::sync::OnceCell<DataplaneClient<Channel>>,
+    operators: Vec<tokio::sync::OnceCell<DataplaneClient<Channel>>>,
+}
+
+/// What every replica's ListNodes said at one moment (`None`: it did not answer).
+#[derive(Debug, Clone, Default)]
+pub struct View {
+    pub replicas: Vec<Option<ListNodesResponse>>,
+}
+
+impl View {
+    /// Distinct nodes connected and in sync on some replica that answered.
+    pub fn in_sync(&self) -> usize {
+        self.in_sync_nodes().len()
+    }
+
+    /// The nodes connected and in sync on some replica that answered.
+    pub fn in_sync_nodes(&self) -> std::collections::HashSet<&str> {
+        self.replicas
+            .iter()
+            .flatten()
+            .flat_map(|r| r.nodes.iter())
+            .filter(|n| n.connected && n.in_sync)
+            .map(|n| n.node.as_str())
+            .collect()
+    }
+
+    /// The nodes each replica serves (connected), by replica.
+    pub fn connected(&self) -> Vec<std::collections::BTreeSet<String>> {
+        self.replicas
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .flat_map(|r| r.nodes.iter())
+                    .filter(|n| n.connected)
+                    .map(|n| n.node.clone())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Each replica's desired version (0 for one that did not answer).
+    pub fn versions(&self) -> Vec<u64> {
+        self.replicas
+            .iter()
+            .map(|r| r.as_ref().map_or(0, |r| r.desired_version))
+            .collect()
+    }
+
+    /// Every replica that answered published a state newer than `before` (its versions when
+    /// a step began), and at least one answered.
+    pub fn newer_than(&self, before: &[u64]) -> bool {
+        let mut any = false;
+        for (i, r) in self.replicas.iter().enumerate() {
+            if let Some(r) = r {
+                any = true;
+                if r.desired_version <= before.get(i).copied().unwrap_or(0) {
+                    return false;
+                }
+            }
+        }
+        any
+    }
+
+    /// Every replica that answered is synced, and at least one answered.
+    pub fn synced(&self) -> bool {
+        let mut answered = self.replicas.iter().flatten().peekable();
+        answered.peek().is_some() && answered.all(|r| r.synced)
+    }
 }
 
 impl Rig {
@@ -71,7 +143,8 @@ impl Rig {
             fleet: None,
             kube_proxy: None,
             actuators: Vec::new(),
-            brain: None,
+            brains: Vec::new(),
+            brain_addrs: Vec::new(),
             cluster,
             cp,
             pki,
@@ -79,7 +152,7 @@ impl Rig {
             exe,
             dir: dir.to_path_buf(),
             real,
-            operator: tokio::sync::OnceCell::new(),
+            operators: Vec::new(),
         })
     }
 
@@ -93,39 +166,137 @@ impl Rig {
         self.cluster.node(self.real)
     }
 
-    pub fn start_brain(&mut self) -> anyhow::Result<&Brain> {
-        let brain = Brain::start(
+    /// The role (process name, log and certificate name) of replica `i` of `n`: "brain" when
+    /// there is one, as before replicas existed, "brain-i" otherwise.
+    pub fn brain_role(i: usize, n: usize) -> String {
+        if n == 1 {
+            "brain".to_string()
+        } else {
+            format!("brain-{i}")
+        }
+    }
+
+    /// Starts `n` brain replicas, each watching the API server itself, with serving
+    /// certificates from the same CA the nodes trust.
+    pub fn start_brains(&mut self, n: usize) -> anyhow::Result<()> {
+        for i in 0..n {
+            let brain = self.spawn_brain(i, n, None, "")?;
+            self.brain_addrs.push(brain.grpc);
+            self.brains.push(Some(brain));
+            self.operators.push(tokio::sync::OnceCell::new());
+        }
+        Ok(())
+    }
+
+    /// Starts replica `i` again at its address (after a kill or a stop); `attempt` tells its
+    /// log apart from the earlier process's.
+    pub fn restart_brain(&mut self, i: usize, attempt: usize) -> anyhow::Result<()> {
+        let n = self.brains.len();
+        let addr = *self
+            .brain_addrs
+            .get(i)
+            .with_context(|| format!("no brain replica {i}"))?;
+        let brain = self.spawn_brain(i, n, Some(addr), &format!("-run{attempt}"))?;
+        self.brains[i] = Some(brain);
+        // A fresh operator connection: the old one may have given up on the dead process.
+        self.operators[i] = tokio::sync::OnceCell::new();
+        Ok(())
+    }
+
+    fn spawn_brain(
+        &self,
+        i: usize,
+        n: usize,
+        addr: Option<SocketAddr>,
+        suffix: &str,
+    ) -> anyhow::Result<Brain> {
+        Ok(Brain::start(
             &self.exe,
             self.cp.kubeconfig_path(),
             &self.pki,
             &self.dir,
-            "brain",
-            None,
+            &format!("{}{suffix}", Self::brain_role(i, n)),
+            addr,
             &BrainOptions::with_service_cidrs(&[SERVICE_CIDR
                 .parse()
                 .context("the benchmark's service CIDR")?]),
-        )?;
-        Ok(self.brain.insert(brain))
+        )?)
     }
 
+    /// Kills replica `i` with SIGKILL (no goodbye to its nodes) and forgets it.
+    pub fn kill_brain(&mut self, i: usize) -> anyhow::Result<()> {
+        let mut brain = self
+            .brains
+            .get_mut(i)
+            .and_then(Option::take)
+            .with_context(|| format!("brain replica {i} is not running"))?;
+        brain.child.signal(nix::sys::signal::Signal::SIGKILL)?;
+        let _ = brain.child.stop();
+        Ok(())
+    }
+
+    /// Stops replica `i` the way an orchestrator does (SIGTERM, then SIGKILL after a grace).
+    pub fn stop_brain(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(mut brain) = self.brains.get_mut(i).and_then(Option::take) {
+            brain.child.stop()?;
+        }
+        Ok(())
+    }
+
+    /// The first running replica.
     pub fn brain(&self) -> anyhow::Result<&Brain> {
-        self.brain.as_ref().context("the brain is not running")
+        self.brains
+            .iter()
+            .flatten()
+            .next()
+            .context("no brain replica is running")
     }
 
-    pub fn brain_grpc(&self) -> anyhow::Result<SocketAddr> {
-        Ok(self.brain()?.grpc)
+    /// The running replicas, with their index.
+    pub fn running_brains(&self) -> impl Iterator<Item = (usize, &Brain)> {
+        self.brains
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.as_ref().map(|b| (i, b)))
+    }
+
+    /// The brains real actuator `i` is given, in the order of its forwarders: arranged so that
+    /// the address its rendezvous order prefers (`brain_order`) leads to replica `i % n`, the
+    /// next one to replica `i + 1`, and so on. The actuator keeps its own order; the bench only
+    /// chooses where each address leads, so real nodes spread over replicas as virtual node
+    /// `i` does.
+    fn actuator_brains(&self, i: usize, node: &str) -> Vec<SocketAddr> {
+        let n = self.brain_addrs.len();
+        let urls: Vec<http::Uri> = (0..n)
+            .filter_map(|j| {
+                format!(
+                    "https://127.0.0.1:{}",
+                    splitproxy_tests::deploy::brain_port_in_node(j)
+                )
+                .parse()
+                .ok()
+            })
+            .collect();
+        let order = splitproxy_actuator::client::brain_order(node, &urls);
+        let mut out = self.brain_addrs.clone();
+        for (k, uri) in order.iter().enumerate() {
+            if let Some(port) = urls.iter().position(|u| u == uri) {
+                out[port] = self.brain_addrs[(i + k) % n];
+            }
+        }
+        out
     }
 
     /// Starts one actuator per real node namespace.
     pub fn start_actuators(&mut self) -> anyhow::Result<()> {
-        let brain = self.brain_grpc()?;
         for i in 0..self.real {
             let node = self.cluster.node(i);
+            let brains = self.actuator_brains(i, node.name());
             let a = Actuator::start(
                 &self.exe,
                 node.netns(),
                 node.name(),
-                &[brain],
+                &brains,
                 &self.pki,
                 &self.dir,
             )?;
@@ -151,24 +322,34 @@ impl Rig {
         Ok(Scrape::parse(&body))
     }
 
-    pub fn brain_scrape(&self) -> anyhow::Result<Scrape> {
-        let (code, body) = self.brain()?.http_get("/metrics")?;
-        anyhow::ensure!(code == 200, "brain /metrics answered {code}");
-        Ok(Scrape::parse(&body))
+    /// Every replica's /metrics, by index (`None` for one that is down or did not answer).
+    pub fn brain_scrapes(&self) -> Vec<Option<Scrape>> {
+        self.brains
+            .iter()
+            .map(|b| {
+                let (code, body) = b.as_ref()?.http_get("/metrics").ok()?;
+                (code == 200).then(|| Scrape::parse(&body))
+            })
+            .collect()
     }
 
+    /// Every running replica answers /readyz with 200.
     pub fn brain_ready(&self) -> bool {
-        self.brain()
-            .and_then(|b| b.http_get("/readyz"))
-            .is_ok_and(|(code, _)| code == 200)
+        let mut running = self.running_brains().peekable();
+        running.peek().is_some()
+            && running.all(|(_, b)| b.http_get("/readyz").is_ok_and(|(code, _)| code == 200))
     }
 
-    /// The brain's ListNodes, through an operator client.
-    pub async fn list_nodes(&self) -> anyhow::Result<ListNodesResponse> {
-        let mut client = self
-            .operator
+    /// Replica `i`'s ListNodes, through an operator client.
+    pub async fn list_nodes_of(&self, i: usize) -> anyhow::Result<ListNodesResponse> {
+        let addr = *self.brain_addrs.get(i).context("no such replica")?;
+        self.brains
+            .get(i)
+            .and_then(Option::as_ref)
+            .context("the replica is not running")?;
+        let mut client = self.operators[i]
             .get_or_try_init(|| async {
-                splitproxy_tests::deploy::grpc_client(self.brain_grpc()?, &self.operator_tls).await
+                splitproxy_tests::deploy::grpc_client(addr, &self.operator_tls).await
             })
             .await?
             .clone();
@@ -181,6 +362,18 @@ impl Rig {
         Ok(resp.into_inner())
     }
 
+    /// Every running replica's ListNodes, asked together.
+    pub async fn view(&self) -> View {
+        let asks = (0..self.brains.len()).map(|i| self.list_nodes_of(i));
+        View {
+            replicas: futures::future::join_all(asks)
+                .await
+                .into_iter()
+                .map(Result::ok)
+                .collect(),
+        }
+    }
+
     /// The number of splitproxy nodes (real and virtual).
     pub fn splitproxy_nodes(&self) -> usize {
         self.real + self.fleet.as_ref().map_or(0, |f| f.size)
@@ -189,10 +382,10 @@ impl Rig {
     /// Log files, for the report.
     pub fn logs(&self) -> Vec<PathBuf> {
         let mut out = vec![self.cp.apiserver_log(), self.cp.etcd_log()];
-        if let Some(b) = &self.brain
-            && let Some(p) = b.child.log_path()
-        {
-            out.push(p.to_path_buf());
+        for (_, b) in self.running_brains() {
+            if let Some(p) = b.child.log_path() {
+                out.push(p.to_path_buf());
+            }
         }
         for a in &self.actuators {
             if let Some(p) = a.child.log_path() {
@@ -208,7 +401,8 @@ impl Rig {
     }
 }
 
-/// Every node the brain lists is connected and holds its latest state, and there are `expected`.
-pub fn all_in_sync(ln: &ListNodesResponse, expected: usize) -> bool {
-    ln.nodes.iter().filter(|n| n.connected && n.in_sync).count() >= expected
+/// Every node is connected to some replica and holds that replica's latest state, and there
+/// are `expected`.
+pub fn all_in_sync(view: &View, expected: usize) -> bool {
+    view.in_sync() >= expected
 }
