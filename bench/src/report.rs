@@ -1165,10 +1165,13 @@ fn why(r: &BenchResult, figure: &str) -> String {
                 )
             })
             .unwrap_or_default();
-        let brain_cpu = churn.and_then(|p| {
+        let brain_cpu = churn.map(|p| {
             p.processes
-                .get("brain")
-                .map(|u| u.cpu_seconds / p.seconds.max(1e-9))
+                .iter()
+                .filter(|(role, _)| role.starts_with("brain"))
+                .map(|(_, u)| u.cpu_seconds)
+                .sum::<f64>()
+                / p.seconds.max(1e-9)
         });
         let bench_cpu = churn.and_then(|p| {
             p.processes

@@ -210,7 +210,7 @@ impl Rig {
         addr: Option<SocketAddr>,
         suffix: &str,
     ) -> anyhow::Result<Brain> {
-        Ok(Brain::start(
+        Brain::start(
             &self.exe,
             self.cp.kubeconfig_path(),
             &self.pki,
@@ -220,7 +220,7 @@ impl Rig {
             &BrainOptions::with_service_cidrs(&[SERVICE_CIDR
                 .parse()
                 .context("the benchmark's service CIDR")?]),
-        )?)
+        )
     }
 
     /// Kills replica `i` with SIGKILL (no goodbye to its nodes) and forgets it.

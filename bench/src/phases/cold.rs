@@ -81,11 +81,13 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
         }
         let actuators_ready = out.actuators_ready_seconds.values().all(Option::is_some);
         let fleet_ok = b.rig.fleet.is_none() || out.fleet_in_sync_seconds.is_some();
-        if out.brain_ready_seconds.is_some() && actuators_ready && fleet_ok {
-            if all_in_sync(&b.rig.view().await, expected) {
-                out.all_in_sync_seconds = Some(t0.elapsed().as_secs_f64());
-                break;
-            }
+        if out.brain_ready_seconds.is_some()
+            && actuators_ready
+            && fleet_ok
+            && all_in_sync(&b.rig.view().await, expected)
+        {
+            out.all_in_sync_seconds = Some(t0.elapsed().as_secs_f64());
+            break;
         }
         if last_note.elapsed() > Duration::from_secs(10) {
             let fleet = b.rig.fleet.as_ref().map(|f| f.status());
