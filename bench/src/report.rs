@@ -931,7 +931,8 @@ fn single_section(w: &mut String, r: &BenchResult) {
     let _ = writeln!(
         w,
         "## Single changes\n\n{} single-endpoint changes (the endpoint_flip phase), each alone: the next one \
-         only once every node held it and kube-proxy had synced it, and at least {:.0} ms later.\n",
+         only once every node held it and kube-proxy had synced it, at least {:.0} ms later and a second after \
+         kube-proxy's last sync (its minimum sync period).\n",
         s.changes,
         s.gap_seconds * 1e3
     );

@@ -1,6 +1,7 @@
 //! Single changes as a distribution: `--single-changes` endpoints of different Services turn
 //! not ready one at a time, each alone (every splitproxy node converged and kube-proxy synced
-//! before the next, and at least `--single-gap-ms` apart), so that a single change's network
+//! before the next, at least `--single-gap-ms` apart and a second after kube-proxy's last sync,
+//! its minimum sync period), so that a single change's network
 //! programming latency, kernel apply and time to the real nodes are percentiles over K changes
 //! and every node, not one sample per node.
 use std::time::{Duration, Instant, SystemTime};
@@ -12,6 +13,11 @@ use crate::results::{Phase, SingleChanges};
 
 /// How long kube-proxy may take to count one change before the phase moves on without it.
 const KUBE_PROXY_WAIT: Duration = Duration::from_secs(30);
+/// kube-proxy's `--min-sync-period` in nftables mode (its default, which the bench keeps): a
+/// change arriving sooner after its last sync waits for the rest of it. The next single change
+/// comes no sooner, so that kube-proxy too sees each change after a quiet period and its
+/// figure is its reaction to one change, not its rate limit.
+const KUBE_PROXY_MIN_SYNC: Duration = Duration::from_secs(1);
 
 /// The endpoint_flip phase: K single-endpoint changes.
 pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChanges)> {
@@ -84,12 +90,14 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
             let counted_before = before.npl.as_ref().map_or(0.0, |h| h.count);
             let deadline = Instant::now() + KUBE_PROXY_WAIT;
             let mut exact = None;
+            let mut synced_at = None;
             while Instant::now() < deadline {
                 if let Some(now) = b.kube_proxy_scrape() {
                     let counted = now.npl.as_ref().map_or(0.0, |h| h.count) - counted_before;
                     let last_sync = now.last_sync.unwrap_or(0.0);
                     if counted >= 1.0 && last_sync >= unix(t) {
                         exact = Some(last_sync - unix(t));
+                        synced_at = Some(last_sync);
                         if let Some(d) = now
                             .sync
                             .as_ref()
@@ -108,6 +116,12 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
                 None => out.kube_proxy_missed += 1,
             }
             out.kube_proxy_per_change_seconds.push(exact);
+            if let Some(at) = synced_at {
+                let quiet = at + KUBE_PROXY_MIN_SYNC.as_secs_f64() - unix(SystemTime::now());
+                if quiet > 0.0 {
+                    tokio::time::sleep(Duration::from_secs_f64(quiet)).await;
+                }
+            }
         }
         // Alone: the next change comes no sooner than `gap` after this one.
         if let Some(rest) = gap.checked_sub(began.elapsed()) {
