@@ -3,7 +3,8 @@
 //! The lab (`splitproxy_tests::lab::Lab`) creates its own Node objects and starts the brain at
 //! once; the benchmark needs the opposite order (the workload, with thousands of Node objects,
 //! exists before the brain starts, so cold start is measured against it), so it assembles the
-//! same parts itself: the control plane, node namespaces, the PKI, `deploy::Brain`,
+//! same parts itself: the control plane, node namespaces, the PKI, `deploy::Brain` (one per
+//! replica, each at a fixed address so that a replica started again is found where it was),
 //! `deploy::Actuator`, kube-proxy and the virtual fleet. Fields drop in declaration order, so the
 //! clients go before the brain, the brain before the namespaces, and the control plane last.
 use std::net::SocketAddr;
@@ -260,38 +261,11 @@ impl Rig {
             .filter_map(|(i, b)| b.as_ref().map(|b| (i, b)))
     }
 
-    /// The brains real actuator `i` is given, in the order of its forwarders: arranged so that
-    /// the address its rendezvous order prefers (`brain_order`) leads to replica `i % n`, the
-    /// next one to replica `i + 1`, and so on. The actuator keeps its own order; the bench only
-    /// chooses where each address leads, so real nodes spread over replicas as virtual node
-    /// `i` does.
-    fn actuator_brains(&self, i: usize, node: &str) -> Vec<SocketAddr> {
-        let n = self.brain_addrs.len();
-        let urls: Vec<http::Uri> = (0..n)
-            .filter_map(|j| {
-                format!(
-                    "https://127.0.0.1:{}",
-                    splitproxy_tests::deploy::brain_port_in_node(j)
-                )
-                .parse()
-                .ok()
-            })
-            .collect();
-        let order = splitproxy_actuator::client::brain_order(node, &urls);
-        let mut out = self.brain_addrs.clone();
-        for (k, uri) in order.iter().enumerate() {
-            if let Some(port) = urls.iter().position(|u| u == uri) {
-                out[port] = self.brain_addrs[(i + k) % n];
-            }
-        }
-        out
-    }
-
     /// Starts one actuator per real node namespace.
     pub fn start_actuators(&mut self) -> anyhow::Result<()> {
         for i in 0..self.real {
             let node = self.cluster.node(i);
-            let brains = self.actuator_brains(i, node.name());
+            let brains = actuator_brains(i, node.name(), &self.brain_addrs);
             let a = Actuator::start(
                 &self.exe,
                 node.netns(),
@@ -401,8 +375,138 @@ impl Rig {
     }
 }
 
+/// The brains real actuator `i` is given, in the order of its forwarders (the forwarder of
+/// brain `j` listens at `brain_port_in_node(j)` in the node): arranged so that the address its
+/// rendezvous order prefers (`brain_order`) leads to replica `i % n`, the next one to replica
+/// `i + 1`, and so on. The actuator keeps its own order; the bench only chooses where each
+/// address leads, so real node `i` starts on replica `i % n` as virtual node `i` does.
+pub fn actuator_brains(i: usize, node: &str, addrs: &[SocketAddr]) -> Vec<SocketAddr> {
+    let n = addrs.len();
+    let urls: Vec<http::Uri> = (0..n)
+        .filter_map(|j| {
+            format!(
+                "https://127.0.0.1:{}",
+                splitproxy_tests::deploy::brain_port_in_node(j)
+            )
+            .parse()
+            .ok()
+        })
+        .collect();
+    let order = splitproxy_actuator::client::brain_order(node, &urls);
+    let mut out = addrs.to_vec();
+    for (k, uri) in order.iter().enumerate() {
+        if let Some(port) = urls.iter().position(|u| u == uri) {
+            out[port] = addrs[(i + k) % n];
+        }
+    }
+    out
+}
+
 /// Every node is connected to some replica and holds that replica's latest state, and there
 /// are `expected`.
 pub fn all_in_sync(view: &View, expected: usize) -> bool {
     view.in_sync() >= expected
+}
+
+#[cfg(test)]
+mod tests {
+    use splitproxy_proto::v1::NodeStatus;
+
+    use super::*;
+
+    fn addrs(n: usize) -> Vec<SocketAddr> {
+        (0..n)
+            .map(|i| SocketAddr::from(([127, 0, 0, 1], 20_000 + i as u16)))
+            .collect()
+    }
+
+    #[test]
+    fn real_node_i_prefers_replica_i_mod_n_whatever_its_rendezvous_order() {
+        for n in 1..=4 {
+            let a = addrs(n);
+            for i in 0..12 {
+                let node = format!("node-{i}");
+                let given = actuator_brains(i, &node, &a);
+                // Every replica once.
+                let mut sorted = given.clone();
+                sorted.sort();
+                assert_eq!(sorted, a, "n={n} i={i}");
+                // The address the actuator tries first leads to replica i % n, then i + 1...
+                let urls: Vec<http::Uri> = (0..n)
+                    .map(|j| {
+                        format!(
+                            "https://127.0.0.1:{}",
+                            splitproxy_tests::deploy::brain_port_in_node(j)
+                        )
+                        .parse()
+                        .unwrap()
+                    })
+                    .collect();
+                let order = splitproxy_actuator::client::brain_order(&node, &urls);
+                for (k, uri) in order.iter().enumerate() {
+                    let port = urls.iter().position(|u| u == uri).unwrap();
+                    assert_eq!(given[port], a[(i + k) % n], "n={n} i={i} k={k}");
+                }
+            }
+        }
+    }
+
+    fn status(node: &str, connected: bool, in_sync: bool) -> NodeStatus {
+        NodeStatus {
+            node: node.into(),
+            connected,
+            in_sync,
+            ..Default::default()
+        }
+    }
+
+    fn replica(version: u64, synced: bool, nodes: Vec<NodeStatus>) -> Option<ListNodesResponse> {
+        Some(ListNodesResponse {
+            synced,
+            desired_version: version,
+            nodes,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_view_counts_each_node_once_on_the_replica_that_serves_it() {
+        let view = View {
+            replicas: vec![
+                replica(
+                    7,
+                    true,
+                    vec![
+                        status("a", true, true),
+                        status("b", false, false),
+                        status("c", true, false),
+                    ],
+                ),
+                replica(
+                    3,
+                    true,
+                    vec![status("b", true, true), status("a", false, true)],
+                ),
+                None,
+            ],
+        };
+        assert_eq!(view.in_sync(), 2, "a and b; c is behind");
+        assert!(all_in_sync(&view, 2) && !all_in_sync(&view, 3));
+        assert_eq!(view.versions(), vec![7, 3, 0]);
+        assert_eq!(
+            view.connected().iter().map(|c| c.len()).collect::<Vec<_>>(),
+            vec![2, 1, 0]
+        );
+        // Every replica that answers must have moved on; one that is down does not count.
+        assert!(view.newer_than(&[6, 2, 100]));
+        assert!(!view.newer_than(&[6, 3, 0]), "replica 1 did not publish");
+        assert!(view.synced());
+        let mut behind = view.clone();
+        behind.replicas[1].as_mut().unwrap().synced = false;
+        assert!(!behind.synced());
+        let none = View {
+            replicas: vec![None, None],
+        };
+        assert!(!none.synced() && !none.newer_than(&[0, 0]));
+    }
 }

@@ -398,3 +398,16 @@ impl Drop for VirtualFleet {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn reconnect_spread_is_a_fraction_that_differs_between_nodes() {
+        let values: Vec<f64> = (0..1000).map(|i| spread(i, 1)).collect();
+        assert!(values.iter().all(|v| (0.0..1.0).contains(v)));
+        let low = values.iter().filter(|v| **v < 0.5).count();
+        assert!((350..650).contains(&low), "{low} of 1000 below 0.5");
+    }
+}

@@ -470,3 +470,39 @@ pub fn mean_of(values: impl Iterator<Item = f64>) -> Option<f64> {
     let v: Vec<f64> = values.collect();
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT_A: &str = "# TYPE c counter\nc_total{kind=\"x\"} 5\nc_total{kind=\"y\"} 1\n";
+    const TEXT_B: &str = "# TYPE c counter\nc_total{kind=\"x\"} 9\nc_total{kind=\"y\"} 1\n";
+    const TEXT_RESTARTED: &str = "# TYPE c counter\nc_total{kind=\"x\"} 2\n";
+
+    #[test]
+    fn brain_deltas_sum_replicas_and_count_a_restarted_one_from_zero() {
+        let before = vec![
+            Some(Scrape::parse(TEXT_A)),
+            Some(Scrape::parse(TEXT_A)),
+            Some(Scrape::parse(TEXT_A)),
+        ];
+        let after = vec![
+            Some(Scrape::parse(TEXT_B)),         // +4 on x
+            Some(Scrape::parse(TEXT_RESTARTED)), // restarted: its 2 are new
+            None,                                // down: left out
+        ];
+        let d = BrainDelta {
+            before: &before,
+            after: &after,
+        };
+        assert_eq!(d.counter("c_total"), Some(6.0));
+        let x = |l: &[(String, String)]| l.iter().any(|(k, v)| k == "kind" && v == "x");
+        assert_eq!(d.counter_where("c_total", x), Some(6.0));
+        assert_eq!(d.counter("absent_total"), None);
+        let all = BrainDelta {
+            before: &[],
+            after: &after,
+        };
+        assert_eq!(all.counter("c_total"), Some(12.0));
+    }
+}
