@@ -1197,6 +1197,45 @@ fn why(r: &BenchResult, figure: &str) -> String {
                 new jumps (see docs/ruleset.md), so its floor follows the ruleset's shape."
             .into();
     }
+    if figure.starts_with("brain CPU per node-update") {
+        if let Some(p) = churn {
+            let cpu: f64 = p
+                .processes
+                .iter()
+                .filter(|(role, _)| role.starts_with("brain"))
+                .map(|(_, u)| u.cpu_seconds)
+                .sum();
+            return format!(
+                "In the churn phase the brain replicas used {cpu:.2} CPU seconds for {} updates sent \
+                 ({} publications).",
+                num(p.splitproxy.updates_sent),
+                num(p.splitproxy.publications)
+            );
+        }
+        return String::new();
+    }
+    if figure.starts_with("brain replica killed") {
+        if let Some(f) = &r.failover {
+            return format!(
+                "Per moved node: {}; nodes spread their reconnects over up to a second after a \
+                 healthy stream breaks (the actuator's pacing, which the virtual nodes mirror); \
+                 {} snapshots received, {} sent by the survivors.",
+                dist_cell(&f.back_in_sync),
+                f.snapshots_received as f64 + f.real_snapshots_applied,
+                num(f.snapshots_sent)
+            );
+        }
+        return String::new();
+    }
+    if figure.starts_with("brain restarted") {
+        if let Some(x) = &r.restart {
+            return format!(
+                "Sessions by resumption: {:?}; {} of {} replicas needed SIGKILL to stop.",
+                x.resumptions, x.killed_after_grace, x.replicas
+            );
+        }
+        return String::new();
+    }
     if figure.contains("memory") {
         return "Peak RSS includes the decoded updates held during apply and the allocator's retained pages.".into();
     }

@@ -311,6 +311,9 @@ pub struct Restart {
     pub replicas: usize,
     /// From the stop signal until every replica had exited.
     pub stop_seconds: f64,
+    /// Replicas that did not exit on SIGTERM within the grace period (killed).
+    #[serde(default)]
+    pub killed_after_grace: usize,
     /// From starting the new processes until every replica answered /readyz.
     pub ready_seconds: Option<f64>,
     /// From starting the new processes until every node was in sync.

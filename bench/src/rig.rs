@@ -236,12 +236,27 @@ impl Rig {
         Ok(())
     }
 
-    /// Stops replica `i` the way an orchestrator does (SIGTERM, then SIGKILL after a grace).
-    pub fn stop_brain(&mut self, i: usize) -> anyhow::Result<()> {
-        if let Some(mut brain) = self.brains.get_mut(i).and_then(Option::take) {
-            brain.child.stop()?;
+    /// Stops every replica the way an orchestrator does, all at once: SIGTERM to each, then
+    /// each reaped (SIGKILL after its grace period). Stopping them one after the other would
+    /// chase nodes from one stopping replica to the next and grow their reconnect backoff.
+    /// Returns how many did not exit on SIGTERM within the grace period and were killed.
+    pub fn stop_brains(&mut self) -> anyhow::Result<usize> {
+        use std::os::unix::process::ExitStatusExt;
+        for brain in self.brains.iter_mut().flatten() {
+            // One that already exited is reaped below.
+            let _ = brain.child.signal(nix::sys::signal::Signal::SIGTERM);
         }
-        Ok(())
+        let mut killed = 0;
+        for slot in &mut self.brains {
+            if let Some(mut brain) = slot.take() {
+                let status = brain.child.stop()?;
+                if status.and_then(|s| s.signal()) == Some(nix::sys::signal::Signal::SIGKILL as i32)
+                {
+                    killed += 1;
+                }
+            }
+        }
+        Ok(killed)
     }
 
     /// The first running replica.

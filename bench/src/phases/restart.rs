@@ -39,9 +39,17 @@ pub async fn restart(b: &mut Bench, full_resync_bytes: Option<f64>) -> anyhow::R
     let stopping = Instant::now();
     for i in 0..n {
         b.watched.remove(&Rig::brain_role(i, n));
-        b.rig.stop_brain(i)?;
     }
+    out.killed_after_grace = b.rig.stop_brains()?;
     out.stop_seconds = stopping.elapsed().as_secs_f64();
+    if out.killed_after_grace > 0 {
+        out.notes.push(format!(
+            "{} of {n} replicas did not exit on SIGTERM within the {:?} grace period and were \
+             killed (SIGKILL): their nodes' streams ended only then",
+            out.killed_after_grace,
+            splitproxy_tests::process::DEFAULT_GRACE
+        ));
+    }
     let t0 = Instant::now();
     for i in 0..n {
         b.rig.restart_brain(i, 2)?;
