@@ -241,19 +241,31 @@ impl Rig {
     /// chase nodes from one stopping replica to the next and grow their reconnect backoff.
     /// Returns how many did not exit on SIGTERM within the grace period and were killed.
     pub fn stop_brains(&mut self) -> anyhow::Result<usize> {
-        use std::os::unix::process::ExitStatusExt;
+        use nix::sys::signal::Signal;
+        let grace = splitproxy_tests::process::DEFAULT_GRACE;
         for brain in self.brains.iter_mut().flatten() {
             // One that already exited is reaped below.
-            let _ = brain.child.signal(nix::sys::signal::Signal::SIGTERM);
+            let _ = brain.child.signal(Signal::SIGTERM);
+        }
+        // One grace period for all of them, as for the containers of one pod.
+        let deadline = std::time::Instant::now() + grace;
+        while std::time::Instant::now() < deadline
+            && self
+                .brains
+                .iter_mut()
+                .flatten()
+                .any(|b| b.child.is_running())
+        {
+            std::thread::sleep(Duration::from_millis(20));
         }
         let mut killed = 0;
         for slot in &mut self.brains {
             if let Some(mut brain) = slot.take() {
-                let status = brain.child.stop()?;
-                if status.and_then(|s| s.signal()) == Some(nix::sys::signal::Signal::SIGKILL as i32)
-                {
+                if brain.child.is_running() {
                     killed += 1;
+                    let _ = brain.child.signal(Signal::SIGKILL);
                 }
+                brain.child.stop()?;
             }
         }
         Ok(killed)
