@@ -7,8 +7,12 @@
 # kube-proxy side by side, with the flags given.
 #
 #   sudo tools/bench.sh [--services 10000] [--endpoints 10] [--nodes 5000] [--real 3]
-#                       [--virtual N] [--churn-seconds 60] [--churn-percent 1.0]
-#                       [--skip-kube-proxy] [--out bench/results] [--report bench/RESULTS.md] ...
+#                       [--virtual N] [--brains 1] [--single-changes 20] [--churn-seconds 60]
+#                       [--churn-percent 1.0] [--failover-seconds 10] [--skip-kube-proxy]
+#                       [--out bench/results] [--report bench/RESULTS.md] ...
+#
+#   With --brains 2 or more, nodes spread over the replicas and a failover phase kills one of
+#   them during churn; a restart phase stops every replica and starts it again (--skip-restart).
 #
 #   It writes bench/results/result.json, PNG plots beside it, component logs under
 #   bench/results/logs, and regenerates bench/RESULTS.md with the exact command.

@@ -58,6 +58,28 @@ pub struct BenchArgs {
     /// (default: every node that is neither real nor kube-proxy's, N - R - 1).
     #[arg(long = "virtual")]
     pub virtual_nodes: Option<usize>,
+    /// Brain replicas, each watching the API server once. Node i (virtual, and real actuator
+    /// i) starts on replica i % N and moves to another when its stream fails.
+    #[arg(long, default_value_t = 1)]
+    pub brains: usize,
+    /// Single-endpoint changes in the endpoint_flip phase, each made alone (every node
+    /// converged and kube-proxy synced before the next): their NPL, kernel apply and time to
+    /// the real nodes as distributions.
+    #[arg(long, default_value_t = 20)]
+    pub single_changes: usize,
+    /// Least spacing between two single changes, milliseconds.
+    #[arg(long, default_value_t = 400)]
+    pub single_gap_ms: u64,
+    /// Duration of the churn during which the failover phase kills one replica (with
+    /// --brains 2 or more), seconds; the kill comes a third of the way in.
+    #[arg(long, default_value_t = 10)]
+    pub failover_seconds: u64,
+    /// Do not run the failover phase (a replica killed during churn).
+    #[arg(long)]
+    pub skip_failover: bool,
+    /// Do not run the restart phase (every replica stopped and started again).
+    #[arg(long)]
+    pub skip_restart: bool,
     /// Duration of the steady-churn phase, seconds.
     #[arg(long, default_value_t = 60)]
     pub churn_seconds: u64,
@@ -153,6 +175,15 @@ impl BenchArgs {
         Duration::from_secs(self.phase_timeout_seconds)
     }
 
+    pub fn single_gap(&self) -> Duration {
+        Duration::from_millis(self.single_gap_ms)
+    }
+
+    /// Whether the failover phase runs.
+    pub fn failover(&self) -> bool {
+        self.brains >= 2 && !self.skip_failover
+    }
+
     pub fn kube_proxy_timeout(&self) -> Duration {
         Duration::from_secs(self.kube_proxy_timeout_seconds)
     }
@@ -192,6 +223,15 @@ impl BenchArgs {
         }
         if self.write_concurrency == 0 {
             bail!("--write-concurrency must be positive");
+        }
+        if self.brains == 0 || self.brains > 16 {
+            bail!("--brains must be between 1 and 16");
+        }
+        if self.single_changes == 0 {
+            bail!("--single-changes must be positive");
+        }
+        if self.failover_seconds < 3 {
+            bail!("--failover-seconds must be at least 3 (churn before, at and after the kill)");
         }
         Ok(())
     }

@@ -129,17 +129,66 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
         note: format!("slowest real actuator's kernel apply of its first state, {scale}"),
     });
 
-    let flip = phase(r, "endpoint_flip");
-    let v = flip.and_then(real_apply_mean);
-    let k = flip.and_then(kp_sync_mean);
+    // Single changes, as distributions over --single-changes changes (the endpoint_flip phase).
+    let single = r.single_changes.as_ref();
+    let apply = single.map(|s| &s.real_apply);
+    let kp_apply = single.map(|s| &s.kube_proxy_sync);
     out.push(Target {
         figure: "one endpoint change, kernel apply".into(),
         target: "≤ 2 ms".into(),
-        measured: ms(v),
-        kube_proxy: ms(k),
-        ratio: ratio(v, k),
-        met: v.map(|v| v <= 0.002),
-        note: "mean over the real actuators (their sync histogram across the phase); kube-proxy: its sync time".into(),
+        measured: dist(apply),
+        kube_proxy: dist(kp_apply),
+        ratio: ratio(apply.and_then(|a| a.p50), kp_apply.and_then(|k| k.p50)),
+        met: apply.and_then(|a| a.p99).map(|v| v <= 0.002),
+        note: format!(
+            "p99 judged; each real actuator's one sync per change, exact (its sync histogram's sum before and after), over {} single changes; kube-proxy: its sync per change",
+            single.map_or(0, |s| s.changes)
+        ),
+    });
+    let npl = single.map(|s| &s.npl);
+    let flip = phase(r, "endpoint_flip");
+    let kp_flip = flip
+        .and_then(|p| p.kube_proxy.as_ref())
+        .and_then(|k| k.npl.as_ref());
+    out.push(Target {
+        figure: "network programming latency p99, single changes".into(),
+        target: "≤ 150 ms".into(),
+        measured: format!(
+            "p99 {} (p50 {}, {} samples)",
+            ms(npl.and_then(|n| n.p99)),
+            ms(npl.and_then(|n| n.p50)),
+            npl.map_or(0, |n| n.n)
+        ),
+        kube_proxy: format!(
+            "p99 ≤ {} (p50 ≤ {})",
+            ms(kp_flip.and_then(|h| h.p99)),
+            ms(kp_flip.and_then(|h| h.p50))
+        ),
+        ratio: ratio(npl.and_then(|n| n.p99), kp_flip.and_then(|h| h.p99)),
+        met: npl.and_then(|n| n.p99).map(|v| v <= 0.150),
+        note: "every node and single change: the virtual nodes' exact samples and the real actuators' (sync timestamp - trigger time); kube-proxy: upper bound of its histogram bucket".into(),
+    });
+    let reach = single.map(|s| &s.real_per_change);
+    let kp_reach = single.map(|s| &s.kube_proxy_exact);
+    let reach_ratio = ratio(reach.and_then(|s| s.mean), kp_reach.and_then(|s| s.mean));
+    out.push(Target {
+        figure: "single change reaching the real nodes, against kube-proxy in the same run".into(),
+        target: "≤ 0.3× kube-proxy's".into(),
+        measured: format!(
+            "mean {} p50 {} over {} changes",
+            ms(reach.and_then(|s| s.mean)),
+            ms(reach.and_then(|s| s.p50)),
+            reach.map_or(0, |s| s.n)
+        ),
+        kube_proxy: format!(
+            "mean {} p50 {} over {} changes",
+            ms(kp_reach.and_then(|s| s.mean)),
+            ms(kp_reach.and_then(|s| s.p50)),
+            kp_reach.map_or(0, |s| s.n)
+        ),
+        ratio: reach_ratio,
+        met: reach_ratio.map(|v| v <= 0.3),
+        note: "per change: the mean over the real actuators of (end of the sync that applied it - trigger time); kube-proxy: the end of its first sync that counted it - trigger time; ratio of the means".into(),
     });
 
     let add = phase(r, "service_add");
@@ -184,12 +233,126 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
         note: "every change phase; splitproxy: exact samples of every virtual node plus the real actuators' single-change samples; kube-proxy: upper bound of its histogram bucket".into(),
     });
 
+    let churn = phase(r, "churn");
+    let churn_npl = churn.map(|p| &p.splitproxy.npl);
+    let kp_churn = churn
+        .and_then(|p| p.kube_proxy.as_ref())
+        .and_then(|k| k.npl.as_ref());
+    out.push(Target {
+        figure: format!(
+            "network programming latency p99, all nodes, {} %/s churn",
+            r.config.churn_percent
+        ),
+        target: "≤ 300 ms".into(),
+        measured: format!(
+            "{} ({} samples)",
+            ms(churn_npl.and_then(|s| s.p99)),
+            churn_npl.map_or(0, |s| s.n)
+        ),
+        kube_proxy: format!("≤ {}", ms(kp_churn.and_then(|h| h.p99))),
+        ratio: ratio(churn_npl.and_then(|s| s.p99), kp_churn.and_then(|h| h.p99)),
+        met: churn_npl.and_then(|s| s.p99).map(|v| v <= 0.300),
+        note: "the churn phase alone".into(),
+    });
+    let per_update = churn.and_then(brain_cpu_per_update);
+    out.push(Target {
+        figure: "brain CPU per node-update".into(),
+        target: "≤ 10 µs".into(),
+        measured: per_update.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6)),
+        kube_proxy: "n/a".into(),
+        ratio: None,
+        met: per_update.map(|v| v <= 10e-6),
+        note: "churn phase: CPU seconds of every brain replica / updates they sent".into(),
+    });
+    let cs = &r.cold_start;
+    out.push(Target {
+        figure: "every node holds the state, from brain start".into(),
+        target: "≤ 5 s, ≤ 4 GB".into(),
+        measured: format!(
+            "{}, {} sent",
+            ms(cs.all_in_sync_seconds),
+            gb(cs.brain_bytes_sent)
+        ),
+        kube_proxy: kube_proxy_cold_text(r),
+        ratio: None,
+        met: match (cs.all_in_sync_seconds, cs.brain_bytes_sent) {
+            (Some(t), Some(b)) => Some(t <= 5.0 && b <= 4e9),
+            _ => None,
+        },
+        note: format!(
+            "cold start with {} brain replica(s): the brains' ListNodes, every node connected and in sync; bytes: their update bytes",
+            r.config.brains
+        ),
+    });
+    if let Some(f) = &r.failover {
+        let snapshots = f.snapshots_received as f64
+            + f.real_snapshots_applied
+            + f.snapshots_sent.unwrap_or(0.0);
+        out.push(Target {
+            figure: "brain replica killed: every node back in sync through another replica"
+                .into(),
+            target: "≤ 3 s, no full snapshots when the state is the same".into(),
+            measured: format!(
+                "{} for {} nodes; {} snapshots, {} deltas",
+                ms(f.back_in_sync_seconds),
+                f.moved_nodes,
+                snapshots,
+                f.deltas_received as f64 + f.real_deltas_applied
+            ),
+            kube_proxy: "n/a".into(),
+            ratio: None,
+            met: f.back_in_sync_seconds.map(|t| t <= 3.0 && snapshots == 0.0),
+            note: "from the SIGKILL to every moved node connected and in sync on a surviving replica (their ListNodes, polled every 100 ms), during churn; snapshots the moved nodes received plus those the survivors sent".into(),
+        });
+        if let Some(c) = &f.connections {
+            out.push(Target {
+                figure: "connections failed on the real actuators during the failover".into(),
+                target: "0".into(),
+                measured: format!("{} of {}", c.failed, c.attempted),
+                kube_proxy: "n/a".into(),
+                ratio: None,
+                met: Some(c.failed == 0 && c.attempted > 0),
+                note: format!(
+                    "new TCP connections back to back from a pod on {} to a ClusterIP served on {}",
+                    c.client_node, c.server_node
+                ),
+            });
+        }
+    }
+    if let Some(x) = &r.restart {
+        out.push(Target {
+            figure: "brain restarted (same version, same cluster state)".into(),
+            target: "deltas only; bytes ≤ 1 % of a full resync".into(),
+            measured: format!(
+                "{} snapshots, {} deltas, {} current; {} bytes = {} of a full resync; in sync after {}",
+                num(x.snapshots_sent),
+                num(x.deltas_sent),
+                num(x.current),
+                num(x.bytes_sent),
+                x.bytes_ratio
+                    .map_or("n/a".into(), |r| format!("{:.3} %", r * 100.0)),
+                ms(x.all_in_sync_seconds)
+            ),
+            kube_proxy: "n/a".into(),
+            ratio: None,
+            met: match (x.snapshots_sent, x.bytes_ratio) {
+                (Some(s), Some(b)) => Some(s == 0.0 && b <= 0.01),
+                _ => None,
+            },
+            note: "every replica stopped (SIGTERM) and started again; full resync: the bytes the cold start sent".into(),
+        });
+    }
+
     let brain_watches = r.cold_start.brain_watches;
     let kp_watches = r.kube_proxy_cold_start.as_ref().and_then(|k| k.watches);
     out.push(Target {
         figure: "API watches".into(),
         target: "a few per brain replica, whatever N".into(),
-        measured: format!("{} (1 brain)", num(brain_watches)),
+        measured: format!(
+            "{} ({} brain replica(s), 3 each expected)",
+            num(brain_watches),
+            r.config.brains
+        ),
         kube_proxy: format!(
             "{} per node, {} for {} nodes",
             num(kp_watches),
@@ -197,11 +360,10 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
             r.config.nodes
         ),
         ratio: ratio(brain_watches, kp_watches.map(|w| w * r.config.nodes as f64)),
-        met: brain_watches.map(|w| w <= 8.0),
+        met: brain_watches.map(|w| w <= 8.0 * r.config.brains.max(1) as f64),
         note: "the API server's WATCH gauge before and after each started".into(),
     });
 
-    let churn = phase(r, "churn");
     let compute = churn.and_then(|p| p.splitproxy.compute.as_ref());
     let bytes = churn.and_then(|p| p.splitproxy.bytes_per_publication);
     out.push(Target {
@@ -239,14 +401,46 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
             r.config.services * r.config.endpoints,
             r.config.nodes
         ),
-        target: "≤ 1 GiB".into(),
+        target: "≤ 512 MiB".into(),
         measured: mib(brain),
         kube_proxy: "n/a".into(),
         ratio: None,
-        met: brain.map(|v| v <= 1024.0 * MIB),
-        note: "peak RSS (VmHWM) of the brain over the run".into(),
+        met: brain.map(|v| v <= 512.0 * MIB),
+        note: "peak RSS (VmHWM) of the largest brain replica over the run".into(),
     });
     out
+}
+
+/// CPU seconds of every brain replica in a phase, per update they sent.
+fn brain_cpu_per_update(p: &Phase) -> Option<f64> {
+    let cpu: f64 = p
+        .processes
+        .iter()
+        .filter(|(role, _)| role.starts_with("brain"))
+        .map(|(_, u)| u.cpu_seconds)
+        .sum();
+    match p.splitproxy.updates_sent {
+        Some(u) if u > 0.0 => Some(cpu / u),
+        _ => None,
+    }
+}
+
+fn gb(v: Option<f64>) -> String {
+    v.map_or("n/a".into(), |v| {
+        if v >= 1e9 {
+            format!("{:.2} GB", v / 1e9)
+        } else {
+            format!("{:.1} MB", v / 1e6)
+        }
+    })
+}
+
+/// "p50 X p99 Y (n=N)" of a distribution.
+fn dist(s: Option<&Stats>) -> String {
+    match s {
+        Some(s) if s.n > 0 => format!("p50 {} p99 {} (n={})", ms(s.p50), ms(s.p99), s.n),
+        _ => "n/a".into(),
+    }
 }
 
 fn kube_proxy_cold_text(r: &BenchResult) -> String {
@@ -328,10 +522,11 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     let _ = writeln!(
         w,
         "Workload: {} Services x {} endpoints (plus one 100-endpoint Service for the rolling update), {} Node objects; \
-         {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s.\n",
+         {} brain replica(s), {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s.\n",
         c.services,
         c.endpoints,
         c.nodes,
+        c.brains.max(1),
         c.real,
         c.virtual_nodes,
         if c.kube_proxy {
@@ -434,9 +629,21 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     );
     let _ = writeln!(
         w,
-        "| API watches held by the brain | {} |",
+        "| API watches held by the brain replicas ({}) | {} |",
+        cs.brain_replicas.max(1),
         num(cs.brain_watches)
     );
+    if cs.connected_per_replica.len() > 1 {
+        let _ = writeln!(
+            w,
+            "| nodes served by each replica | {} |",
+            cs.connected_per_replica
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(" / ")
+        );
+    }
     for (role, u) in &cs.processes {
         let _ = writeln!(
             w,
@@ -598,6 +805,10 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
         let _ = writeln!(w);
     }
 
+    single_section(w, r);
+    failover_section(w, r);
+    restart_section(w, r);
+
     if let Some(wt) = &r.watches {
         let _ = writeln!(w, "## API server watches\n");
         let _ = writeln!(
@@ -699,6 +910,249 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     m
 }
 
+fn dist_cell(s: &Stats) -> String {
+    if s.n == 0 {
+        return "none".into();
+    }
+    format!(
+        "n={} mean {} p50 {} p99 {} max {}",
+        s.n,
+        ms(s.mean),
+        ms(s.p50),
+        ms(s.p99),
+        ms(s.max)
+    )
+}
+
+fn single_section(w: &mut String, r: &BenchResult) {
+    let Some(s) = &r.single_changes else {
+        return;
+    };
+    let _ = writeln!(
+        w,
+        "## Single changes\n\n{} single-endpoint changes (the endpoint_flip phase), each alone: the next one \
+         only once every node held it and kube-proxy had synced it, at least {:.0} ms later and a second after \
+         kube-proxy's last sync (its minimum sync period).\n",
+        s.changes,
+        s.gap_seconds * 1e3
+    );
+    let _ = writeln!(w, "| figure | splitproxy | kube-proxy |\n|---|---|---|");
+    let _ = writeln!(
+        w,
+        "| network programming latency, every node and change | {} | {} |",
+        dist_cell(&s.npl),
+        phase(r, "endpoint_flip")
+            .and_then(|p| p.kube_proxy.as_ref())
+            .map_or("not run".into(), |k| hist_cell(k.npl.as_ref()))
+    );
+    let _ = writeln!(w, "| virtual nodes | {} | |", dist_cell(&s.npl_virtual));
+    let _ = writeln!(w, "| real actuators | {} | |", dist_cell(&s.npl_real));
+    let _ = writeln!(
+        w,
+        "| time to the real nodes, per change (mean over the nodes) | {} | {} |",
+        dist_cell(&s.real_per_change),
+        dist_cell(&s.kube_proxy_exact)
+    );
+    let _ = writeln!(
+        w,
+        "| kernel apply (sync) per node and change | {} | {} |",
+        dist_cell(&s.real_apply),
+        dist_cell(&s.kube_proxy_sync)
+    );
+    let _ = writeln!(
+        w,
+        "| every splitproxy node converged, per change | {} | |",
+        dist_cell(&s.converged)
+    );
+    if s.real_apply_inexact > 0 || s.kube_proxy_missed > 0 {
+        let _ = writeln!(
+            w,
+            "| left out | {} node-changes with other than one sync | {} changes not counted in time |",
+            s.real_apply_inexact, s.kube_proxy_missed
+        );
+    }
+    let per_change = |v: &[Option<f64>]| {
+        v.iter()
+            .map(|x| x.map_or("-".into(), |x| format!("{:.1}", x * 1e3)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(
+        w,
+        "\nPer change, ms to the real nodes: splitproxy {}; kube-proxy {}.\n",
+        per_change(&s.real_per_change_seconds),
+        per_change(&s.kube_proxy_per_change_seconds)
+    );
+}
+
+fn failover_section(w: &mut String, r: &BenchResult) {
+    let Some(f) = &r.failover else {
+        return;
+    };
+    let _ = writeln!(
+        w,
+        "## Failover\n\n{} brain replicas; brain-{} killed with SIGKILL {:.1} s into {} s of churn. \
+         It served {} nodes ({} real: {}).\n",
+        f.replicas,
+        f.victim,
+        f.killed_at_seconds,
+        f.churn_seconds,
+        f.moved_nodes,
+        f.moved_real.len(),
+        if f.moved_real.is_empty() {
+            "none".to_string()
+        } else {
+            f.moved_real.join(", ")
+        }
+    );
+    let _ = writeln!(w, "| figure | value |\n|---|---|");
+    let _ = writeln!(
+        w,
+        "| every moved node connected and in sync on another replica, from the kill | {} |",
+        ms(f.back_in_sync_seconds)
+    );
+    let _ = writeln!(w, "| per moved node | {} |", dist_cell(&f.back_in_sync));
+    if f.not_back > 0 {
+        let _ = writeln!(w, "| moved nodes never back | {} |", f.not_back);
+    }
+    let _ = writeln!(
+        w,
+        "| network programming latency of the moved virtual nodes | {} |",
+        dist_cell(&f.npl_moved)
+    );
+    for (n, h) in &f.npl_moved_real {
+        let _ = writeln!(w, "| {n} (moved) NPL histogram | {} |", hist_cell(Some(h)));
+    }
+    let _ = writeln!(
+        w,
+        "| bytes the moved virtual nodes received after the kill | {} in all, {} per node |",
+        f.moved_bytes,
+        num(f.moved_bytes_per_node.map(f64::round))
+    );
+    let _ = writeln!(
+        w,
+        "| a full snapshot, per node | {} bytes ({}) |",
+        num(f.full_snapshot_bytes_per_node.map(f64::round)),
+        fmt_ratio(ratio(
+            f.moved_bytes_per_node,
+            f.full_snapshot_bytes_per_node
+        )) + " of it received"
+    );
+    let _ = writeln!(
+        w,
+        "| snapshots / deltas received (virtual) | {} / {} |",
+        f.snapshots_received, f.deltas_received
+    );
+    let _ = writeln!(
+        w,
+        "| snapshots / deltas applied (real, moved) | {} / {} |",
+        f.real_snapshots_applied, f.real_deltas_applied
+    );
+    let _ = writeln!(
+        w,
+        "| survivors' resumptions (splitproxy_brain_resumptions_total) | {} |",
+        f.resumptions
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(
+        w,
+        "| survivors' snapshots sent | {} |",
+        num(f.snapshots_sent)
+    );
+    match &f.connections {
+        Some(c) => {
+            let _ = writeln!(
+                w,
+                "| connections from {} to a ClusterIP served on {}: failed / made | {} / {} |",
+                c.client_node, c.server_node, c.failed, c.attempted
+            );
+            for x in &c.failures {
+                let _ = writeln!(w, "| failed connection | {x} |");
+            }
+        }
+        None => {
+            let _ = writeln!(w, "| connection loop | not run |");
+        }
+    }
+    for n in &f.notes {
+        let _ = writeln!(w, "\nNote: {n}");
+    }
+    let _ = writeln!(w);
+}
+
+fn restart_section(w: &mut String, r: &BenchResult) {
+    let Some(x) = &r.restart else {
+        return;
+    };
+    let _ = writeln!(
+        w,
+        "## Restart\n\nEvery brain replica ({}) stopped with SIGTERM ({:.2} s) and started again at its address, \
+         on the same cluster state.\n",
+        x.replicas, x.stop_seconds
+    );
+    let _ = writeln!(w, "| figure | value |\n|---|---|");
+    let _ = writeln!(
+        w,
+        "| every replica ready, from the restart | {} |",
+        ms(x.ready_seconds)
+    );
+    let _ = writeln!(
+        w,
+        "| every node in sync, from the restart | {} |",
+        ms(x.all_in_sync_seconds)
+    );
+    let _ = writeln!(
+        w,
+        "| sessions by resumption | {} |",
+        x.resumptions
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(
+        w,
+        "| updates sent: snapshots / deltas / sessions sent nothing (current) | {} / {} / {} |",
+        num(x.snapshots_sent),
+        num(x.deltas_sent),
+        num(x.current)
+    );
+    let _ = writeln!(
+        w,
+        "| bytes sent, against a full resync (the cold start's {}) | {} ({}) |",
+        num(x.full_resync_bytes),
+        num(x.bytes_sent),
+        x.bytes_ratio
+            .map_or("n/a".into(), |r| format!("{:.3} %", r * 100.0))
+    );
+    let _ = writeln!(
+        w,
+        "| virtual nodes: snapshots / deltas / received nothing; bytes | {} / {} / {}; {} |",
+        x.virtual_snapshots, x.virtual_deltas, x.virtual_nothing, x.virtual_bytes
+    );
+    let _ = writeln!(
+        w,
+        "| real actuators: snapshots / deltas applied | {} / {} |",
+        x.real_snapshots_applied, x.real_deltas_applied
+    );
+    for (role, u) in &x.processes {
+        let _ = writeln!(
+            w,
+            "| {role}: CPU, RSS, peak RSS | {:.2} s, {}, {} |",
+            u.cpu_seconds,
+            mib(Some(u.rss_bytes as f64)),
+            mib(Some(u.peak_rss_bytes as f64))
+        );
+    }
+    for n in &x.notes {
+        let _ = writeln!(w, "\nNote: {n}");
+    }
+    let _ = writeln!(w);
+}
+
 /// Why a target was missed, from the figures that compose it.
 fn why(r: &BenchResult, figure: &str) -> String {
     let churn = phase(r, "churn");
@@ -712,10 +1166,13 @@ fn why(r: &BenchResult, figure: &str) -> String {
                 )
             })
             .unwrap_or_default();
-        let brain_cpu = churn.and_then(|p| {
+        let brain_cpu = churn.map(|p| {
             p.processes
-                .get("brain")
-                .map(|u| u.cpu_seconds / p.seconds.max(1e-9))
+                .iter()
+                .filter(|(role, _)| role.starts_with("brain"))
+                .map(|(_, u)| u.cpu_seconds)
+                .sum::<f64>()
+                / p.seconds.max(1e-9)
         });
         let bench_cpu = churn.and_then(|p| {
             p.processes
@@ -739,6 +1196,45 @@ fn why(r: &BenchResult, figure: &str) -> String {
         return "The actuator's apply is one nf_tables transaction; every commit walks the table's chains and validates \
                 new jumps (see docs/ruleset.md), so its floor follows the ruleset's shape."
             .into();
+    }
+    if figure.starts_with("brain CPU per node-update") {
+        if let Some(p) = churn {
+            let cpu: f64 = p
+                .processes
+                .iter()
+                .filter(|(role, _)| role.starts_with("brain"))
+                .map(|(_, u)| u.cpu_seconds)
+                .sum();
+            return format!(
+                "In the churn phase the brain replicas used {cpu:.2} CPU seconds for {} updates sent \
+                 ({} publications).",
+                num(p.splitproxy.updates_sent),
+                num(p.splitproxy.publications)
+            );
+        }
+        return String::new();
+    }
+    if figure.starts_with("brain replica killed") {
+        if let Some(f) = &r.failover {
+            return format!(
+                "Per moved node: {}; nodes spread their reconnects over up to a second after a \
+                 healthy stream breaks (the actuator's pacing, which the virtual nodes mirror); \
+                 {} snapshots received, {} sent by the survivors.",
+                dist_cell(&f.back_in_sync),
+                f.snapshots_received as f64 + f.real_snapshots_applied,
+                num(f.snapshots_sent)
+            );
+        }
+        return String::new();
+    }
+    if figure.starts_with("brain restarted") {
+        if let Some(x) = &r.restart {
+            return format!(
+                "Sessions by resumption: {:?}; {} of {} replicas needed SIGKILL to stop.",
+                x.resumptions, x.killed_after_grace, x.replicas
+            );
+        }
+        return String::new();
     }
     if figure.contains("memory") {
         return "Peak RSS includes the decoded updates held during apply and the allocator's retained pages.".into();

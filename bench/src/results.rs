@@ -23,6 +23,12 @@ pub struct BenchResult {
     pub kube_proxy_cold_start: Option<KubeProxyColdStart>,
     /// Change phases in the order they ran.
     pub phases: Vec<Phase>,
+    /// The single-change phase (`endpoint_flip`) as distributions over its changes.
+    pub single_changes: Option<SingleChanges>,
+    /// A replica killed during churn (with `--brains` 2 or more).
+    pub failover: Option<Failover>,
+    /// Every replica stopped and started again on the same cluster state.
+    pub restart: Option<Restart>,
     pub watches: Option<Watches>,
     pub targets: Vec<Target>,
     /// Things that went wrong or were skipped, in words.
@@ -59,6 +65,16 @@ pub struct Config {
     pub storm_seconds: u64,
     pub kube_proxy: bool,
     pub watch_storm: bool,
+    /// Brain replicas.
+    #[serde(default = "one")]
+    pub brains: usize,
+    /// Single-endpoint changes of the endpoint_flip phase.
+    #[serde(default)]
+    pub single_changes: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -79,8 +95,14 @@ pub struct ColdStart {
     pub brain_bytes_sent: Option<f64>,
     pub brain_updates_sent: Option<f64>,
     pub virtual_apply: Stats,
-    /// API watches held by the brain (the API server's WATCH gauge before and after it started).
+    /// API watches held by the brain replicas (the API server's WATCH gauge before and after
+    /// they started).
     pub brain_watches: Option<f64>,
+    #[serde(default)]
+    pub brain_replicas: usize,
+    /// Nodes connected to each replica once every node was in sync.
+    #[serde(default)]
+    pub connected_per_replica: Vec<usize>,
     pub processes: BTreeMap<String, ProcUsage>,
 }
 
@@ -125,6 +147,10 @@ pub struct SplitproxyPhase {
     pub npl_real: BTreeMap<String, HistSummary>,
     /// Real actuators: exact latency of a single change (sync timestamp - trigger time).
     pub npl_real_exact: BTreeMap<String, f64>,
+    /// Real actuators: every exact sample a multi-change phase measured (one per node and
+    /// change).
+    #[serde(default)]
+    pub npl_real_samples: Stats,
     /// Nodes with at least one latency sample in this phase, of `nodes_total`.
     pub nodes_with_samples: usize,
     pub nodes_total: usize,
@@ -199,4 +225,118 @@ pub struct Target {
     /// `None` when there is nothing to judge.
     pub met: Option<bool>,
     pub note: String,
+}
+
+/// K single-endpoint changes, each alone (every node converged and kube-proxy synced before the
+/// next, at least `gap_seconds` apart): distributions, not one sample per node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SingleChanges {
+    pub changes: usize,
+    pub gap_seconds: f64,
+    /// Network programming latency over every node and change: the virtual nodes' exact
+    /// samples and the real actuators' (sync timestamp - trigger time).
+    pub npl: Stats,
+    pub npl_virtual: Stats,
+    pub npl_real: Stats,
+    /// Per change, the mean over the real nodes of the time it took to reach them.
+    pub real_per_change: Stats,
+    pub real_per_change_seconds: Vec<Option<f64>>,
+    /// The real actuators' kernel apply, exact per node and change (the change's one sync:
+    /// the difference of the sync histogram's sum).
+    pub real_apply: Stats,
+    /// Node-changes where the sync histogram counted other than one apply (left out above).
+    pub real_apply_inexact: usize,
+    /// kube-proxy, per change: the end of the first sync that counted it - trigger time.
+    pub kube_proxy_exact: Stats,
+    pub kube_proxy_per_change_seconds: Vec<Option<f64>>,
+    /// kube-proxy's sync duration per change (difference of its sync histogram's sum).
+    pub kube_proxy_sync: Stats,
+    /// Changes kube-proxy did not count within the wait.
+    pub kube_proxy_missed: usize,
+    /// Per change, from the write until every splitproxy node held it.
+    pub converged: Stats,
+}
+
+/// A brain replica killed with SIGKILL during churn: what its nodes went through.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Failover {
+    pub replicas: usize,
+    pub victim: usize,
+    pub churn_seconds: u64,
+    /// Seconds into the churn when the replica was killed.
+    pub killed_at_seconds: f64,
+    /// Nodes the victim served when it was killed.
+    pub moved_nodes: usize,
+    pub moved_real: Vec<String>,
+    /// From the kill until every moved node was connected and in sync on another replica.
+    pub back_in_sync_seconds: Option<f64>,
+    /// The same per moved node.
+    pub back_in_sync: Stats,
+    pub not_back: usize,
+    /// Network programming latency of the moved virtual nodes over the phase.
+    pub npl_moved: Stats,
+    /// The moved real actuators' NPL histograms over the phase.
+    pub npl_moved_real: BTreeMap<String, HistSummary>,
+    /// Bytes the moved virtual nodes received after the kill, in all and per node.
+    pub moved_bytes: u64,
+    pub moved_bytes_per_node: Option<f64>,
+    /// What a full snapshot costs one of them (the last snapshot each received, mean).
+    pub full_snapshot_bytes_per_node: Option<f64>,
+    pub snapshots_received: u64,
+    pub deltas_received: u64,
+    /// The moved real actuators' applied snapshots and deltas after the kill.
+    pub real_snapshots_applied: f64,
+    pub real_deltas_applied: f64,
+    /// The surviving replicas' resumptions by kind, and the snapshots they sent, in the phase.
+    pub resumptions: BTreeMap<String, f64>,
+    pub snapshots_sent: Option<f64>,
+    pub connections: Option<Connections>,
+    pub notes: Vec<String>,
+}
+
+/// A bounded connection loop through a ClusterIP from a client on a real actuator node.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Connections {
+    pub attempted: usize,
+    pub failed: usize,
+    pub client_node: String,
+    pub server_node: String,
+    /// The first failures, in words.
+    pub failures: Vec<String>,
+}
+
+/// Every brain replica stopped and started again with the same cluster state.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Restart {
+    pub replicas: usize,
+    /// From the stop signal until every replica had exited.
+    pub stop_seconds: f64,
+    /// Replicas that did not exit on SIGTERM within the grace period (killed).
+    #[serde(default)]
+    pub killed_after_grace: usize,
+    /// From starting the new processes until every replica answered /readyz.
+    pub ready_seconds: Option<f64>,
+    /// From starting the new processes until every node was in sync.
+    pub all_in_sync_seconds: Option<f64>,
+    /// Sessions by how the replicas resumed them (same_epoch, by_content, snapshot).
+    pub resumptions: BTreeMap<String, f64>,
+    pub updates_sent: Option<f64>,
+    pub snapshots_sent: Option<f64>,
+    /// Updates that were deltas (updates - snapshots).
+    pub deltas_sent: Option<f64>,
+    /// Sessions resumed at the current state, sent nothing (resumed - deltas - snapshots).
+    pub current: Option<f64>,
+    pub bytes_sent: Option<f64>,
+    /// What a full resync of every node costs: the bytes the cold start sent.
+    pub full_resync_bytes: Option<f64>,
+    pub bytes_ratio: Option<f64>,
+    /// What the virtual nodes received: snapshots, deltas, nodes that received nothing.
+    pub virtual_snapshots: u64,
+    pub virtual_deltas: u64,
+    pub virtual_nothing: usize,
+    pub virtual_bytes: u64,
+    pub real_snapshots_applied: f64,
+    pub real_deltas_applied: f64,
+    pub processes: BTreeMap<String, ProcUsage>,
+    pub notes: Vec<String>,
 }

@@ -11,7 +11,7 @@ use crate::cli::BenchArgs;
 use crate::fleet;
 use crate::measure::procstat::Watched;
 use crate::measure::stats::LatencyHist;
-use crate::phases::{Bench, changes, cold, watches};
+use crate::phases::{Bench, changes, cold, failover, restart, single, watches};
 use crate::results::{BenchResult, Config};
 use crate::rig::Rig;
 use crate::workload::{Workload, Writer, node_name};
@@ -80,6 +80,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
             storm_seconds: args.storm_seconds,
             kube_proxy: !args.skip_kube_proxy,
             watch_storm: !args.skip_watch_storm,
+            brains: args.brains,
+            single_changes: args.single_changes,
         },
         ..Default::default()
     };
@@ -169,10 +171,14 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
         }
     }
 
-    let phases: [(&str, PhaseFn); 4] = [
-        ("endpoint_flip", |b| {
-            Box::pin(async { Ok(vec![changes::endpoint_flip(b).await?]) })
-        }),
+    match single::endpoint_flip(b).await {
+        Ok((p, s)) => {
+            result.phases.push(p);
+            result.single_changes = Some(s);
+        }
+        Err(e) => b.notes.push(format!("phase endpoint_flip failed: {e:#}")),
+    }
+    let phases: [(&str, PhaseFn); 3] = [
         ("rolling_update", |b| {
             Box::pin(async { Ok(vec![changes::rolling_update(b).await?]) })
         }),
@@ -190,6 +196,21 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
         match f(b).await {
             Ok(p) => result.phases.extend(p),
             Err(e) => b.notes.push(format!("phase {name} failed: {e:#}")),
+        }
+    }
+    if args.failover() {
+        match failover::failover(b).await {
+            Ok((p, f)) => {
+                result.phases.push(p);
+                result.failover = Some(f);
+            }
+            Err(e) => b.notes.push(format!("phase failover failed: {e:#}")),
+        }
+    }
+    if !args.skip_restart {
+        match restart::restart(b, result.cold_start.brain_bytes_sent).await {
+            Ok(r) => result.restart = Some(r),
+            Err(e) => b.notes.push(format!("phase restart failed: {e:#}")),
         }
     }
     if !args.skip_watch_storm {

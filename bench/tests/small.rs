@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 const LIMIT: Duration = Duration::from_secs(300);
 
-#[test]
-fn small_scale_run_measures_every_phase_on_every_node() {
+/// Runs the bench binary with `args` into a temp dir, bounded by `limit`; returns the JSON
+/// result, the report and the printed lines.
+fn run_bench(args: &[&str], limit: Duration) -> (serde_json::Value, String, Vec<String>) {
     assert!(
         nix::unistd::geteuid().is_root(),
         "the benchmark creates network namespaces: run the tests as root (tools/test.sh)"
@@ -20,26 +21,7 @@ fn small_scale_run_measures_every_phase_on_every_node() {
     let out = dir.path().join("out");
     let report = dir.path().join("RESULTS.md");
     let mut child = Command::new(env!("CARGO_BIN_EXE_splitproxy-bench"))
-        .args([
-            "--services",
-            "200",
-            "--endpoints",
-            "5",
-            "--nodes",
-            "50",
-            "--real",
-            "2",
-            "--virtual",
-            "47",
-            "--churn-seconds",
-            "5",
-            "--storm-seconds",
-            "5",
-            "--phase-timeout-seconds",
-            "60",
-            "--kube-proxy-timeout-seconds",
-            "120",
-        ])
+        .args(args)
         .arg("--out")
         .arg(&out)
         .arg("--report")
@@ -63,7 +45,7 @@ fn small_scale_run_measures_every_phase_on_every_node() {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        if started.elapsed() > LIMIT {
+        if started.elapsed() > limit {
             // SIGTERM lets the bench stop its components and remove its namespaces.
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(child.id() as i32),
@@ -72,19 +54,54 @@ fn small_scale_run_measures_every_phase_on_every_node() {
             std::thread::sleep(Duration::from_secs(10));
             let _ = child.kill();
             let _ = child.wait();
-            panic!("the small benchmark took more than {LIMIT:?}");
+            panic!("the small benchmark took more than {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(200));
     };
     let lines = reader.join().unwrap();
     assert!(status.success(), "the bench failed: {status}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
+    let md = std::fs::read_to_string(&report).unwrap();
+    for png in ["npl_cdf.png", "apply_times.png"] {
+        let bytes = std::fs::read(out.join(png)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG"), "{png} is a PNG");
+    }
+    (json, md, lines)
+}
+
+#[test]
+fn small_scale_run_measures_every_phase_on_every_node() {
+    let (json, md, lines) = run_bench(
+        &[
+            "--services",
+            "200",
+            "--endpoints",
+            "5",
+            "--nodes",
+            "50",
+            "--real",
+            "2",
+            "--virtual",
+            "47",
+            "--single-changes",
+            "5",
+            "--churn-seconds",
+            "5",
+            "--storm-seconds",
+            "5",
+            "--phase-timeout-seconds",
+            "60",
+            "--kube-proxy-timeout-seconds",
+            "120",
+        ],
+        LIMIT,
+    );
     assert!(
         lines.first().is_some_and(|l| l.contains("--services 200")),
         "the command is printed first"
     );
 
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("result.json")).unwrap()).unwrap();
     for field in [
         "command",
         "started_at",
@@ -177,13 +194,159 @@ fn small_scale_run_measures_every_phase_on_every_node() {
     );
     assert!(json["targets"].as_array().unwrap().len() >= 8);
 
-    let md = std::fs::read_to_string(&report).unwrap();
+    // Single changes as distributions: every node's sample of every change.
+    let single = &json["single_changes"];
+    assert_eq!(single["changes"], 5, "{single:#}");
+    assert!(single["npl"]["n"].as_u64().unwrap() >= 5 * 49, "{single:#}");
+    assert_eq!(
+        single["npl_real"]["n"], 10,
+        "2 real nodes x 5 changes: {single:#}"
+    );
+    assert_eq!(single["real_per_change"]["n"], 5, "{single:#}");
     assert!(
-        md.contains("--services 200") && md.contains("## Targets"),
+        single["real_apply"]["n"].as_u64().unwrap() >= 5,
+        "{single:#}"
+    );
+    assert!(single["real_apply"]["p99"].is_number(), "{single:#}");
+    assert_eq!(single["kube_proxy_exact"]["n"], 5, "{single:#}");
+    // One brain, no failover; the restart resumes every node without a snapshot.
+    assert!(json["failover"].is_null());
+    check_restart(&json, 49);
+
+    assert!(
+        md.contains("--services 200")
+            && md.contains("## Targets")
+            && md.contains("## Single changes")
+            && md.contains("## Restart"),
         "{md}"
     );
-    for png in ["npl_cdf.png", "apply_times.png"] {
-        let bytes = std::fs::read(out.join(png)).unwrap();
-        assert!(bytes.starts_with(b"\x89PNG"), "{png} is a PNG");
-    }
+}
+
+/// The restart phase: every node in sync again, no snapshot, a small fraction of a full
+/// resync's bytes.
+fn check_restart(json: &serde_json::Value, nodes: u64) {
+    let r = &json["restart"];
+    assert!(r["all_in_sync_seconds"].is_number(), "{r:#}");
+    assert_eq!(
+        r["snapshots_sent"], 0.0,
+        "no snapshot after a restart: {r:#}"
+    );
+    assert_eq!(r["virtual_snapshots"], 0, "{r:#}");
+    assert_eq!(r["real_snapshots_applied"], 0.0, "{r:#}");
+    let sessions: f64 = r["resumptions"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    assert!(sessions >= nodes as f64, "every node resumed: {r:#}");
+    assert_eq!(r["resumptions"]["snapshot"], 0.0, "{r:#}");
+    assert!(
+        r["bytes_ratio"].as_f64().unwrap() <= 0.01,
+        "at most 1 % of a full resync: {r:#}"
+    );
+}
+
+/// Two brain replicas at tiny scale: nodes spread over both, one killed during churn (its
+/// nodes back in sync on the other, resumed by content, no connection lost on the real
+/// nodes), then both restarted. kube-proxy and the watch comparison are left to the test above.
+#[test]
+fn two_brains_fail_over_and_restart_without_snapshots() {
+    let (json, md, _) = run_bench(
+        &[
+            "--services",
+            "50",
+            "--endpoints",
+            "3",
+            "--nodes",
+            "20",
+            "--real",
+            "2",
+            "--virtual",
+            "17",
+            "--brains",
+            "2",
+            "--single-changes",
+            "3",
+            "--churn-seconds",
+            "2",
+            "--failover-seconds",
+            "4",
+            "--skip-kube-proxy",
+            "--skip-watch-storm",
+            "--phase-timeout-seconds",
+            "30",
+        ],
+        Duration::from_secs(150),
+    );
+    assert_eq!(json["config"]["brains"], 2);
+    let cold = &json["cold_start"];
+    let per_replica: Vec<u64> = cold["connected_per_replica"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(per_replica.len(), 2, "{cold:#}");
+    assert!(
+        per_replica.iter().all(|n| *n >= 5),
+        "nodes spread: {cold:#}"
+    );
+    assert_eq!(per_replica.iter().sum::<u64>(), 19, "{cold:#}");
+    assert!(
+        cold["brain_watches"].as_f64().unwrap() >= 6.0,
+        "each replica watches the API: {cold:#}"
+    );
+    assert!(
+        cold["processes"]["brain-0"]["peak_rss_bytes"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    assert!(
+        cold["processes"]["brain-1"]["peak_rss_bytes"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    let names: Vec<&str> = json["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"failover"), "{names:?}");
+    let f = &json["failover"];
+    assert!(f["moved_nodes"].as_u64().unwrap() >= 5, "{f:#}");
+    assert!(
+        f["moved_real"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("node-0")),
+        "the client's node moved: {f:#}"
+    );
+    assert_eq!(f["not_back"], 0, "{f:#}");
+    assert!(f["back_in_sync_seconds"].as_f64().unwrap() < 10.0, "{f:#}");
+    assert_eq!(f["snapshots_received"], 0, "resumed by content: {f:#}");
+    assert_eq!(f["real_snapshots_applied"], 0.0, "{f:#}");
+    assert_eq!(f["snapshots_sent"], 0.0, "{f:#}");
+    assert!(
+        f["resumptions"]["by_content"].as_f64().unwrap() >= f["moved_nodes"].as_f64().unwrap(),
+        "{f:#}"
+    );
+    assert!(
+        f["moved_bytes_per_node"].as_f64().unwrap()
+            < f["full_snapshot_bytes_per_node"].as_f64().unwrap(),
+        "less than a snapshot each: {f:#}"
+    );
+    assert!(f["npl_moved"]["n"].as_u64().unwrap() > 0, "{f:#}");
+    let c = &f["connections"];
+    assert!(c["attempted"].as_u64().unwrap() > 20, "{c:#}");
+    assert_eq!(c["failed"], 0, "no connection lost: {c:#}");
+    check_restart(&json, 19);
+    assert!(
+        md.contains("## Failover") && md.contains("## Restart"),
+        "{md}"
+    );
 }

@@ -38,7 +38,7 @@ async fn virtual_nodes_converge_and_share_encoded_updates() {
         })
         .collect();
     let fleet = VirtualFleet::start(FleetConfig {
-        brain: format!("https://{}", lab.brain(0).grpc),
+        brains: vec![format!("https://{}", lab.brain(0).grpc)],
         server_name: Some("127.0.0.1".into()),
         ca_pem: lab.pki.ca_pem().as_bytes().to_vec(),
         nodes,

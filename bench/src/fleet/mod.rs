@@ -17,7 +17,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use splitproxy_tests::certs::Pki;
 
-pub use nodes::{FleetConfig, FleetNode, FleetStatus, Sample, VirtualFleet};
+pub use nodes::{FleetConfig, FleetNode, FleetStatus, NodeStats, Sample, VirtualFleet};
 pub use npl::NplCollector;
 
 /// Issues one client certificate per node (CN = node name) from the brain's client CA, on all
@@ -62,9 +62,10 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// Starts every node's stream on a runtime of the fleet's own.
+    /// Starts every node's stream on a runtime of the fleet's own; node `i` starts on replica
+    /// `i % brains.len()`.
     pub fn start(
-        brain: std::net::SocketAddr,
+        brains: &[std::net::SocketAddr],
         ca_pem: &str,
         nodes: Vec<FleetNode>,
     ) -> anyhow::Result<Fleet> {
@@ -78,7 +79,7 @@ impl Fleet {
         let inner = {
             let _on = runtime.enter();
             VirtualFleet::start(FleetConfig {
-                brain: format!("https://{brain}"),
+                brains: brains.iter().map(|b| format!("https://{b}")).collect(),
                 server_name: Some("127.0.0.1".to_string()),
                 ca_pem: ca_pem.as_bytes().to_vec(),
                 nodes,
@@ -100,6 +101,11 @@ impl Fleet {
     /// latest is asked of the brain (`ListNodes`), not read from the digests.
     pub fn all_applied(&self) -> bool {
         all_applied(&self.status(), self.size)
+    }
+
+    /// What each virtual node received so far (bytes, snapshots, deltas, its replica).
+    pub fn node_stats(&self) -> Vec<NodeStats> {
+        self.inner.node_stats()
     }
 
     /// Drains the samples recorded since the last call into `into`.

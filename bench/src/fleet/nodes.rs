@@ -28,8 +28,12 @@ pub struct FleetNode {
 
 /// Where the fleet connects and as whom.
 pub struct FleetConfig {
-    /// "https://127.0.0.1:PORT"
-    pub brain: String,
+    /// The brain replicas, "https://127.0.0.1:PORT" each. Virtual node `i` (its index in
+    /// `nodes`) starts on replica `i % brains.len()` and, when its stream fails, moves on to
+    /// the next replica in turn: each node is served by one replica at a time, and a dead
+    /// replica's nodes are shared among the others (as real actuators do, docs/protocol.md,
+    /// "Which brain").
+    pub brains: Vec<String>,
     pub server_name: Option<String>,
     pub ca_pem: Vec<u8>,
     pub nodes: Vec<FleetNode>,
@@ -56,9 +60,38 @@ pub struct Sample {
     pub decode_and_apply: Duration,
 }
 
+/// What one virtual node received since the fleet started, for the failover and restart
+/// phases: how many bytes, snapshots and deltas, and through which replica.
+#[derive(Debug, Clone, Default)]
+pub struct NodeStats {
+    pub name: String,
+    /// The replica (index into [`FleetConfig::brains`]) of its current or last stream.
+    pub replica: usize,
+    /// Streams it opened (the first, then one per reconnect).
+    pub streams: u64,
+    pub bytes: u64,
+    pub snapshots: u64,
+    pub deltas: u64,
+    /// Wire size of the last snapshot it received: what a full resync costs this node.
+    pub last_snapshot_bytes: u64,
+}
+
+/// [`NodeStats`] as the streams update them.
+#[derive(Default)]
+struct NodeCounters {
+    replica: AtomicUsize,
+    streams: AtomicU64,
+    bytes: AtomicU64,
+    snapshots: AtomicU64,
+    deltas: AtomicU64,
+    last_snapshot_bytes: AtomicU64,
+}
+
 /// Every virtual node's stream and what they applied.
 pub struct VirtualFleet {
     nodes: usize,
+    names: Vec<String>,
+    counters: Vec<NodeCounters>,
     connected: AtomicUsize,
     updates: AtomicU64,
     bytes: AtomicU64,
@@ -74,6 +107,8 @@ impl VirtualFleet {
     pub fn start(cfg: FleetConfig) -> Arc<VirtualFleet> {
         let fleet = Arc::new(VirtualFleet {
             nodes: cfg.nodes.len(),
+            names: cfg.nodes.iter().map(|n| n.name.clone()).collect(),
+            counters: cfg.nodes.iter().map(|_| NodeCounters::default()).collect(),
             connected: AtomicUsize::new(0),
             updates: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
@@ -83,13 +118,13 @@ impl VirtualFleet {
             stop: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
         });
-        let shared = Arc::new((cfg.brain, cfg.server_name, cfg.ca_pem));
+        let shared = Arc::new((cfg.brains, cfg.server_name, cfg.ca_pem));
         let mut tasks = Vec::with_capacity(cfg.nodes.len());
-        for node in cfg.nodes {
+        for (index, node) in cfg.nodes.into_iter().enumerate() {
             let (fleet, shared) = (fleet.clone(), shared.clone());
             tasks.push(tokio::spawn(async move {
                 fleet
-                    .run_node(node, &shared.0, shared.1.as_deref(), &shared.2)
+                    .run_node(index, node, &shared.0, shared.1.as_deref(), &shared.2)
                     .await
             }));
         }
@@ -115,6 +150,23 @@ impl VirtualFleet {
         }
     }
 
+    /// What each node received so far, in node order.
+    pub fn node_stats(&self) -> Vec<NodeStats> {
+        self.names
+            .iter()
+            .zip(&self.counters)
+            .map(|(name, c)| NodeStats {
+                name: name.clone(),
+                replica: c.replica.load(Ordering::Relaxed),
+                streams: c.streams.load(Ordering::Relaxed),
+                bytes: c.bytes.load(Ordering::Relaxed),
+                snapshots: c.snapshots.load(Ordering::Relaxed),
+                deltas: c.deltas.load(Ordering::Relaxed),
+                last_snapshot_bytes: c.last_snapshot_bytes.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
     /// Drains the samples recorded since the last call.
     pub fn take_samples(&self) -> Vec<Sample> {
         self.samples
@@ -133,34 +185,68 @@ impl VirtualFleet {
         }
     }
 
+    /// Keeps node `index` connected: to replica `index % brains`, then, whenever a stream
+    /// ends, to the next replica. Reconnects are paced like a real actuator's
+    /// (`splitproxy_actuator::client::Pacing`): after a healthy stream a random wait up to a
+    /// second, so that a dead replica's nodes do not reach the next one together; after
+    /// failed attempts a jittered exponential backoff. What the node holds survives the
+    /// stream, so its Hello names it and the next replica resumes it by content.
     async fn run_node(
         self: Arc<Self>,
+        index: usize,
         node: FleetNode,
-        brain: &str,
+        brains: &[String],
         server_name: Option<&str>,
         ca: &[u8],
     ) {
         let mut held: Option<Held> = None;
-        let mut backoff = Duration::from_millis(100);
+        let mut pacing = splitproxy_actuator::client::Pacing::default();
+        let mut replica = index % brains.len().max(1);
+        let mut attempt: u64 = 0;
         while !self.stop.load(Ordering::Relaxed) {
-            match self.stream(&node, brain, server_name, ca, &mut held).await {
+            let Some(brain) = brains.get(replica) else {
+                return;
+            };
+            self.counters[index]
+                .replica
+                .store(replica, Ordering::Relaxed);
+            let mut healthy = false;
+            match self
+                .stream(
+                    index,
+                    &node,
+                    brain,
+                    server_name,
+                    ca,
+                    &mut held,
+                    &mut healthy,
+                )
+                .await
+            {
                 Ok(()) => {}
                 Err(e) => {
                     tracing::debug!(node = %node.name, error = %e, "virtual node stream ended")
                 }
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(5));
+            replica = (replica + 1) % brains.len();
+            attempt += 1;
+            let delay = pacing.next_delay(healthy, spread(index, attempt));
+            tokio::time::sleep(delay).await;
         }
     }
 
+    /// One stream to `brain`; `healthy` is set once it delivered an update or stayed open a
+    /// second, as the real actuator judges it.
+    #[allow(clippy::too_many_arguments)]
     async fn stream(
         &self,
+        index: usize,
         node: &FleetNode,
         brain: &str,
         server_name: Option<&str>,
         ca: &[u8],
         held: &mut Option<Held>,
+        healthy: &mut bool,
     ) -> anyhow::Result<()> {
         let uri: tonic::transport::Uri = brain.parse()?;
         let domain = server_name
@@ -201,9 +287,12 @@ impl VirtualFleet {
             .await?
             .into_inner();
         self.connected.fetch_add(1, Ordering::Relaxed);
+        self.counters[index].streams.fetch_add(1, Ordering::Relaxed);
+        let opened = Instant::now();
         let result = async {
             let mut pending: Option<Envelope> = None;
             while let Some(env) = updates.next().await {
+                *healthy = true;
                 let env = match (pending.take(), env?) {
                     (Some(mut first), next) if first.generation == next.generation => {
                         first.absorb(next);
@@ -215,6 +304,7 @@ impl VirtualFleet {
                     pending = Some(env);
                     continue;
                 }
+                self.count(index, &env);
                 let ack = self.apply(&node.name, env, held);
                 tx.send(SyncRequest {
                     msg: Some(sync_request::Msg::Ack(ack)),
@@ -225,7 +315,23 @@ impl VirtualFleet {
         }
         .await;
         self.connected.fetch_sub(1, Ordering::Relaxed);
+        if opened.elapsed() >= Duration::from_secs(1) {
+            *healthy = true;
+        }
         result
+    }
+
+    /// Counts a whole update (all its parts) node `index` received.
+    fn count(&self, index: usize, env: &Envelope) {
+        let c = &self.counters[index];
+        c.bytes.fetch_add(env.wire_len as u64, Ordering::Relaxed);
+        if env.snapshot {
+            c.snapshots.fetch_add(1, Ordering::Relaxed);
+            c.last_snapshot_bytes
+                .store(env.wire_len as u64, Ordering::Relaxed);
+        } else {
+            c.deltas.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Applies one update to the node's (shared) model and builds its ack.
@@ -273,8 +379,36 @@ impl VirtualFleet {
     }
 }
 
+/// A number in [0, 1) that differs between nodes and attempts, for the reconnect jitter (no
+/// random source is needed: it only has to spread nodes apart).
+fn spread(index: usize, attempt: u64) -> f64 {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15 ^ (index as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= attempt.wrapping_mul(0x94d0_49bb_1331_11eb) ^ u64::from(nanos);
+    h ^= h >> 31;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 29;
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
 impl Drop for VirtualFleet {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn reconnect_spread_is_a_fraction_that_differs_between_nodes() {
+        let values: Vec<f64> = (0..1000).map(|i| spread(i, 1)).collect();
+        assert!(values.iter().all(|v| (0.0..1.0).contains(v)));
+        let low = values.iter().filter(|v| **v < 0.5).count();
+        assert!((350..650).contains(&low), "{low} of 1000 below 0.5");
     }
 }

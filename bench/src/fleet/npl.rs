@@ -1,6 +1,6 @@
 //! Network-programming latency as the virtual nodes see it: from each change's trigger time to
 //! the moment a node applied the update carrying it.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
 
 use super::Sample;
@@ -17,6 +17,9 @@ pub struct NplCollector {
     pub per_node: HashMap<String, u64>,
     /// The newest trigger time each node has applied.
     pub latest: HashMap<String, SystemTime>,
+    /// Nodes followed apart (the failover phase's moved nodes), and their latencies.
+    pub subset: HashSet<String>,
+    pub npl_subset: LatencyHist,
 }
 
 impl NplCollector {
@@ -27,6 +30,8 @@ impl NplCollector {
             apply_seconds: LatencyHist::default(),
             per_node: HashMap::new(),
             latest: HashMap::new(),
+            subset: HashSet::new(),
+            npl_subset: LatencyHist::default(),
         }
     }
 
@@ -44,6 +49,9 @@ impl NplCollector {
                 Err(e) => -e.duration().as_secs_f64(),
             };
             self.npl.record(latency);
+            if self.subset.contains(&s.node) {
+                self.npl_subset.record(latency);
+            }
             counted = true;
         }
         if counted {

@@ -7,26 +7,6 @@ use tokio::time::MissedTickBehavior;
 use super::Bench;
 use crate::results::Phase;
 
-/// One endpoint of one Service stops being ready.
-pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<Phase> {
-    let mut run = b.begin("endpoint_flip").await;
-    let svc = &mut b.workload.services[0];
-    let name = svc.name.clone();
-    svc.slices[0].endpoints[0].ready = false;
-    let slice = svc.slices[0].clone();
-    let t = b.writer.update_slice(&name, &slice).await?;
-    run.changes = 1;
-    b.wait_splitproxy(&mut run, t).await;
-    Ok(b.finish(
-        run,
-        "one endpoint of one Service turns not ready",
-        t,
-        1,
-        Some(t),
-    )
-    .await)
-}
-
 /// A 100-endpoint Service replaces its endpoints in 10 steps of 10, each a slice update.
 pub async fn rolling_update(b: &mut Bench) -> anyhow::Result<Phase> {
     let mut run = b.begin("rolling_update").await;
@@ -111,6 +91,43 @@ pub async fn churn(b: &mut Bench) -> anyhow::Result<Phase> {
 /// How long one tick's writes may take before the tick counts as failed.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Churn writes, tick by tick: each tick replaces one endpoint in each of the next
+/// `--churn-percent` of the plain Services, round robin.
+pub struct Churner {
+    cursor: usize,
+    per_tick: usize,
+}
+
+impl Churner {
+    pub fn new(b: &Bench) -> Churner {
+        Churner {
+            cursor: 0,
+            per_tick: b.args.churn_per_second(),
+        }
+    }
+
+    /// Writes tick `tick`'s slice updates (bounded by [`WRITE_TIMEOUT`]); returns their
+    /// trigger times.
+    pub async fn tick(&mut self, b: &mut Bench, tick: u64) -> anyhow::Result<Vec<SystemTime>> {
+        let plain = b.workload.plain_services();
+        let mut updates = Vec::with_capacity(self.per_tick);
+        for _ in 0..self.per_tick {
+            let i = self.cursor % plain;
+            self.cursor += 1;
+            let svc = &mut b.workload.services[i];
+            let j = tick as usize % svc.slices[0].endpoints.len();
+            let fresh = b.workload.fresh_endpoint(i + j);
+            let svc = &mut b.workload.services[i];
+            svc.slices[0].endpoints[j] = fresh;
+            updates.push((svc.name.clone(), svc.slices[0].clone()));
+        }
+        // Bounded: a write the API server never answers must not stall the loop.
+        tokio::time::timeout(WRITE_TIMEOUT, b.writer.update_slices(&updates))
+            .await
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within {WRITE_TIMEOUT:?}")))
+    }
+}
+
 /// The churn loop, also used by the watch comparison: returns the last write's time, the number
 /// of writes and notes about writes that failed or fell behind. Bounded by `seconds` ticks.
 pub async fn churn_for(
@@ -118,9 +135,7 @@ pub async fn churn_for(
     seconds: u64,
     mut run: Option<&mut super::PhaseRun>,
 ) -> (SystemTime, usize, Vec<String>) {
-    let per_tick = b.args.churn_per_second();
-    let plain = b.workload.plain_services();
-    let mut cursor = 0usize;
+    let mut churner = Churner::new(b);
     let mut last = SystemTime::now();
     let mut changes = 0;
     let mut failed = 0;
@@ -130,20 +145,7 @@ pub async fn churn_for(
     for tick in 0..seconds {
         interval.tick().await;
         let tick_start = std::time::Instant::now();
-        let mut updates = Vec::with_capacity(per_tick);
-        for _ in 0..per_tick {
-            let i = cursor % plain;
-            cursor += 1;
-            let svc = &mut b.workload.services[i];
-            let j = tick as usize % svc.slices[0].endpoints.len();
-            let fresh = b.workload.fresh_endpoint(i + j);
-            let svc = &mut b.workload.services[i];
-            svc.slices[0].endpoints[j] = fresh;
-            updates.push((svc.name.clone(), svc.slices[0].clone()));
-        }
-        // Bounded: a write the API server never answers must not stall the loop.
-        let write = tokio::time::timeout(WRITE_TIMEOUT, b.writer.update_slices(&updates)).await;
-        match write.unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within {WRITE_TIMEOUT:?}"))) {
+        match churner.tick(b, tick).await {
             Ok(times) => {
                 changes += times.len();
                 if let Some(t) = times.into_iter().max() {

@@ -4,18 +4,19 @@
 //! is timed.
 use std::time::{Duration, Instant};
 
-use super::{BYTES_SENT, Bench, COMPUTE, FANOUT, SYNC, UPDATES_SENT};
+use super::{BYTES_SENT, Bench, BrainDelta, COMPUTE, FANOUT, SYNC, UPDATES_SENT};
 use crate::fleet::{Fleet, FleetNode, NplCollector};
 use crate::kubeproxy::{KpScrape, KubeProxy};
 use crate::results::{ColdStart, KubeProxyColdStart};
 use crate::rig::all_in_sync;
 use crate::watchstorm::apiserver_watches;
 
-/// Starts splitproxy (brain, real actuators, virtual fleet) and measures until every node is in
-/// sync, bounded by five phase time-outs.
+/// Starts splitproxy (`--brains` replicas, real actuators, virtual fleet) and measures until
+/// every node is in sync, bounded by five phase time-outs.
 pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::Result<ColdStart> {
     println!(
-        "[bench] phase cold_start: brain, {} real actuators, {} virtual nodes",
+        "[bench] phase cold_start: {} brain replica(s), {} real actuators, {} virtual nodes",
+        b.args.brains,
         b.rig.real,
         fleet_nodes.len()
     );
@@ -23,16 +24,19 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
     let mark = b.watched.mark();
     let t0 = Instant::now();
     let since = std::time::SystemTime::now();
-    b.rig.start_brain()?;
-    b.watched
-        .add("brain", b.rig.brain.as_ref().and_then(|x| x.child.id()));
+    b.rig.start_brains(b.args.brains)?;
+    let n = b.args.brains;
+    for i in 0..n {
+        let pid = b.rig.brains[i].as_ref().and_then(|x| x.child.id());
+        b.watched.add(&crate::rig::Rig::brain_role(i, n), pid);
+    }
     b.rig.start_actuators()?;
     for a in &b.rig.actuators {
         b.watched.add(&format!("actuator {}", a.node), a.child.id());
     }
     if !fleet_nodes.is_empty() {
-        let grpc = b.rig.brain_grpc()?;
-        b.rig.fleet = Some(Fleet::start(grpc, b.rig.pki.ca_pem(), fleet_nodes)?);
+        let addrs = b.rig.brain_addrs.clone();
+        b.rig.fleet = Some(Fleet::start(&addrs, b.rig.pki.ca_pem(), fleet_nodes)?);
     }
 
     let mut out = ColdStart::default();
@@ -41,13 +45,14 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
     let deadline = t0 + b.args.phase_timeout() * 5;
     let mut last_note = Instant::now();
     while Instant::now() < deadline {
-        if let Some(brain) = b.rig.brain.as_mut()
-            && let Some(status) = brain.child.try_wait()?
-        {
-            anyhow::bail!(
-                "the brain exited with {status}:\n{}",
-                brain.child.log_tail(40)
-            );
+        for brain in b.rig.brains.iter_mut().flatten() {
+            if let Some(status) = brain.child.try_wait()? {
+                anyhow::bail!(
+                    "{} exited with {status}:\n{}",
+                    brain.child.name(),
+                    brain.child.log_tail(40)
+                );
+            }
         }
         let elapsed = t0.elapsed().as_secs_f64();
         if out.brain_ready_seconds.is_none() && b.rig.brain_ready() {
@@ -76,14 +81,13 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
         }
         let actuators_ready = out.actuators_ready_seconds.values().all(Option::is_some);
         let fleet_ok = b.rig.fleet.is_none() || out.fleet_in_sync_seconds.is_some();
-        if out.brain_ready_seconds.is_some() && actuators_ready && fleet_ok {
-            match b.rig.list_nodes().await {
-                Ok(ln) if all_in_sync(&ln, expected) => {
-                    out.all_in_sync_seconds = Some(t0.elapsed().as_secs_f64());
-                    break;
-                }
-                _ => {}
-            }
+        if out.brain_ready_seconds.is_some()
+            && actuators_ready
+            && fleet_ok
+            && all_in_sync(&b.rig.view().await, expected)
+        {
+            out.all_in_sync_seconds = Some(t0.elapsed().as_secs_f64());
+            break;
         }
         if last_note.elapsed() > Duration::from_secs(10) {
             let fleet = b.rig.fleet.as_ref().map(|f| f.status());
@@ -105,12 +109,25 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
             b.args.phase_timeout() * 5
         )),
     }
-    if let Ok(s) = b.rig.brain_scrape() {
-        out.brain_compute = s.histogram(COMPUTE).map(|h| h.summary());
-        out.brain_fanout = s.histogram(FANOUT).map(|h| h.summary());
-        out.brain_bytes_sent = s.sum(BYTES_SENT);
-        out.brain_updates_sent = s.sum(UPDATES_SENT);
-    }
+    // Every replica from its start: the sums are the whole cold start.
+    let scrapes = b.rig.brain_scrapes();
+    let all = BrainDelta {
+        before: &[],
+        after: &scrapes,
+    };
+    out.brain_compute = all.histogram(COMPUTE).map(|h| h.summary());
+    out.brain_fanout = all.histogram(FANOUT).map(|h| h.summary());
+    out.brain_bytes_sent = all.counter(BYTES_SENT);
+    out.brain_updates_sent = all.counter(UPDATES_SENT);
+    out.brain_replicas = n;
+    out.connected_per_replica = b
+        .rig
+        .view()
+        .await
+        .connected()
+        .iter()
+        .map(|c| c.len())
+        .collect();
     for i in 0..b.rig.real {
         let name = b.rig.cluster.node(i).name().to_string();
         if let Some(h) = b

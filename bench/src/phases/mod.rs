@@ -4,6 +4,9 @@
 //! differences into a [`Phase`].
 pub mod changes;
 pub mod cold;
+pub mod failover;
+pub mod restart;
+pub mod single;
 pub mod watches;
 
 use std::time::{Duration, Instant, SystemTime};
@@ -43,23 +46,44 @@ pub struct Bench {
 pub struct PhaseRun {
     pub name: &'static str,
     started: Instant,
-    brain: Option<Scrape>,
+    /// Every replica's scrape at the start.
+    brains: Vec<Option<Scrape>>,
     real: Vec<Option<Scrape>>,
     kp: Option<KpScrape>,
-    /// The brain's desired version when the phase (or its last step) began.
-    version: u64,
+    /// Each replica's desired version when the phase (or its last step) began.
+    versions: Vec<u64>,
     mark: Mark,
     pub collector: NplCollector,
     pub changes: usize,
     pub notes: Vec<String>,
     /// Convergence time of each step, from its last write.
     converged: Vec<Option<Duration>>,
+    /// Exact network-programming latencies of real actuators measured by the phase itself
+    /// (single changes: sync timestamp - trigger time, one per node and change).
+    pub real_exact: Vec<f64>,
 }
 
-fn unix(t: SystemTime) -> f64 {
+pub(crate) fn unix(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
+}
+
+impl PhaseRun {
+    /// Real actuator `i`'s scrape at the start of the phase.
+    pub fn real_scrape(&self, i: usize) -> Option<&Scrape> {
+        self.real.get(i).and_then(Option::as_ref)
+    }
+
+    /// Every replica's scrape at the start of the phase.
+    pub fn brain_scrapes(&self) -> &[Option<Scrape>] {
+        &self.brains
+    }
+
+    /// How long the last step took to converge, when it did.
+    pub fn last_converged(&self) -> Option<Duration> {
+        self.converged.last().copied().flatten()
+    }
 }
 
 impl Bench {
@@ -72,29 +96,25 @@ impl Bench {
             let mut discard = NplCollector::new(since);
             f.drain(&mut discard);
         }
-        let brain = self.rig.brain_scrape().ok();
+        let brains = self.rig.brain_scrapes();
         let real = (0..self.rig.real)
             .map(|i| self.rig.actuator_scrape(i).ok())
             .collect();
         let kp = self.kube_proxy_scrape();
-        let version = self
-            .rig
-            .list_nodes()
-            .await
-            .map(|l| l.desired_version)
-            .unwrap_or(0);
+        let versions = self.rig.view().await.versions();
         PhaseRun {
             name,
             started: Instant::now(),
-            brain,
+            brains,
             real,
             kp,
-            version,
+            versions,
             mark: self.watched.mark(),
             collector: NplCollector::new(since),
             changes: 0,
             notes: Vec::new(),
             converged: Vec::new(),
+            real_exact: Vec::new(),
         }
     }
 
@@ -113,9 +133,20 @@ impl Bench {
 
     /// Waits (bounded by the phase time-out) until every splitproxy node holds the state that
     /// includes the write made at `last_write`: every virtual node has applied a change
-    /// triggered at or after it, and the brain lists every node in sync at a newer version
+    /// triggered at or after it, and the replicas list every node in sync at a newer version
     /// than the step began with. Records the time from `last_write` to then.
     pub async fn wait_splitproxy(&self, run: &mut PhaseRun, last_write: SystemTime) -> bool {
+        self.wait_splitproxy_within(run, last_write, self.args.phase_timeout())
+            .await
+    }
+
+    /// [`Bench::wait_splitproxy`] bounded by `limit`.
+    pub async fn wait_splitproxy_within(
+        &self,
+        run: &mut PhaseRun,
+        last_write: SystemTime,
+        limit: Duration,
+    ) -> bool {
         let wrote = Instant::now()
             .checked_sub(
                 SystemTime::now()
@@ -123,27 +154,29 @@ impl Bench {
                     .unwrap_or_default(),
             )
             .unwrap_or_else(Instant::now);
-        let deadline = Instant::now() + self.args.phase_timeout();
+        let deadline = Instant::now() + limit;
         let expected = self.rig.splitproxy_nodes();
         let virtual_nodes = self.rig.fleet.as_ref().map_or(0, |f| f.size);
-        let mut stable_since: Option<(u64, Instant)> = None;
+        let mut stable_since: Option<(Vec<u64>, Instant)> = None;
         while Instant::now() < deadline {
             self.drain(run);
             let fleet_done = run.collector.nodes_at(last_write) >= virtual_nodes;
             let fleet_applied = self.rig.fleet.as_ref().is_none_or(|f| f.all_applied());
-            if let Ok(ln) = self.rig.list_nodes().await {
-                let listed = ln.desired_version > run.version && all_in_sync(&ln, expected);
+            let view = self.rig.view().await;
+            if view.synced() {
+                let versions = view.versions();
+                let listed = view.newer_than(&run.versions) && all_in_sync(&view, expected);
                 // Fallback when a node's samples lack the last trigger time (a coalesced
                 // update past the brain's change log): the same state everywhere for 1 s.
-                let steady = match stable_since {
-                    Some((v, t)) if v == ln.desired_version => t.elapsed() > Duration::from_secs(1),
+                let steady = match &stable_since {
+                    Some((v, t)) if *v == versions => t.elapsed() > Duration::from_secs(1),
                     _ => {
-                        stable_since = Some((ln.desired_version, Instant::now()));
+                        stable_since = Some((versions.clone(), Instant::now()));
                         false
                     }
                 };
                 if listed && (fleet_done || (fleet_applied && steady)) {
-                    run.version = ln.desired_version;
+                    run.versions = versions;
                     run.converged.push(Some(wrote.elapsed()));
                     self.drain(run);
                     return true;
@@ -179,19 +212,15 @@ impl Bench {
             .await;
         self.drain(&mut run);
         let mut sp = SplitproxyPhase::default();
-        // Brain.
-        if let Ok(after) = self.rig.brain_scrape() {
-            let before = run.brain.as_ref();
-            let hist = |name: &str| {
-                after
-                    .histogram(name)
-                    .map(|h| h.since(before.and_then(|b| b.histogram(name)).as_ref()))
+        // The brain replicas, summed.
+        let after = self.rig.brain_scrapes();
+        if after.iter().any(Option::is_some) {
+            let delta = BrainDelta {
+                before: &run.brains,
+                after: &after,
             };
-            let counter = |name: &str| {
-                after
-                    .sum(name)
-                    .map(|v| v - before.and_then(|b| b.sum(name)).unwrap_or(0.0))
-            };
+            let hist = |name: &str| delta.histogram(name);
+            let counter = |name: &str| delta.counter(name);
             let fanout = hist(FANOUT);
             // One fan-out observation per publication stands in for a publication counter.
             sp.publications = counter(PUBLICATIONS).or(fanout.as_ref().map(|h| h.count));
@@ -207,6 +236,9 @@ impl Bench {
         }
         // Real actuators.
         let mut all = run.collector.npl.clone();
+        for v in &run.real_exact {
+            all.record(*v);
+        }
         let mut real_with_samples = 0;
         for i in 0..self.rig.real {
             let node = self.rig.cluster.node(i).name().to_string();
@@ -242,6 +274,13 @@ impl Bench {
         sp.npl = all.summary();
         self.npl_all.merge(&all);
         sp.virtual_apply = run.collector.apply_seconds.summary();
+        if !run.real_exact.is_empty() {
+            let mut real = crate::measure::stats::LatencyHist::default();
+            for v in &run.real_exact {
+                real.record(*v);
+            }
+            sp.npl_real_samples = real.summary();
+        }
         sp.nodes_with_samples =
             run.collector.per_node.values().filter(|c| **c > 0).count() + real_with_samples;
         sp.nodes_total = self.rig.splitproxy_nodes();
@@ -329,6 +368,61 @@ impl Bench {
     }
 }
 
+/// The brain replicas' metrics across a phase: each replica's difference, summed. A replica
+/// that was down at either end is left out; one that restarted counts from zero (its counters
+/// started again).
+pub struct BrainDelta<'a> {
+    pub before: &'a [Option<Scrape>],
+    pub after: &'a [Option<Scrape>],
+}
+
+impl BrainDelta<'_> {
+    fn pairs(&self) -> impl Iterator<Item = (Option<&Scrape>, &Scrape)> {
+        self.after.iter().enumerate().filter_map(|(i, a)| {
+            let a = a.as_ref()?;
+            Some((self.before.get(i).and_then(Option::as_ref), a))
+        })
+    }
+
+    /// The histogram `name` observed in between, over every replica.
+    pub fn histogram(&self, name: &str) -> Option<Histogram> {
+        let mut out: Option<Histogram> = None;
+        for (b, a) in self.pairs() {
+            let Some(h) = a.histogram(name) else { continue };
+            let d = h.since(b.and_then(|b| b.histogram(name)).as_ref());
+            match out.as_mut() {
+                Some(o) => o.merge(&d),
+                None => out = Some(d),
+            }
+        }
+        out
+    }
+
+    /// The counter `name` (summed over labels) increased by, over every replica.
+    pub fn counter(&self, name: &str) -> Option<f64> {
+        self.counter_where(name, |_| true)
+    }
+
+    /// Like [`BrainDelta::counter`], over the series whose labels satisfy `pred`.
+    pub fn counter_where(
+        &self,
+        name: &str,
+        pred: impl Fn(&[(String, String)]) -> bool + Copy,
+    ) -> Option<f64> {
+        let mut out: Option<f64> = None;
+        for (b, a) in self.pairs() {
+            let Some(v) = a.sum_where(name, pred) else {
+                continue;
+            };
+            let before = b.and_then(|b| b.sum_where(name, pred)).unwrap_or(0.0);
+            // A counter that went down belongs to a restarted process: all of it is new.
+            let d = if v >= before { v - before } else { v };
+            *out.get_or_insert(0.0) += d;
+        }
+        out
+    }
+}
+
 fn ms(v: Option<f64>) -> String {
     v.map_or("-".into(), |v| format!("{:.1} ms", v * 1e3))
 }
@@ -375,4 +469,40 @@ fn print_phase(p: &Phase) {
 pub fn mean_of(values: impl Iterator<Item = f64>) -> Option<f64> {
     let v: Vec<f64> = values.collect();
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT_A: &str = "# TYPE c counter\nc_total{kind=\"x\"} 5\nc_total{kind=\"y\"} 1\n";
+    const TEXT_B: &str = "# TYPE c counter\nc_total{kind=\"x\"} 9\nc_total{kind=\"y\"} 1\n";
+    const TEXT_RESTARTED: &str = "# TYPE c counter\nc_total{kind=\"x\"} 2\n";
+
+    #[test]
+    fn brain_deltas_sum_replicas_and_count_a_restarted_one_from_zero() {
+        let before = vec![
+            Some(Scrape::parse(TEXT_A)),
+            Some(Scrape::parse(TEXT_A)),
+            Some(Scrape::parse(TEXT_A)),
+        ];
+        let after = vec![
+            Some(Scrape::parse(TEXT_B)),         // +4 on x
+            Some(Scrape::parse(TEXT_RESTARTED)), // restarted: its 2 are new
+            None,                                // down: left out
+        ];
+        let d = BrainDelta {
+            before: &before,
+            after: &after,
+        };
+        assert_eq!(d.counter("c_total"), Some(6.0));
+        let x = |l: &[(String, String)]| l.iter().any(|(k, v)| k == "kind" && v == "x");
+        assert_eq!(d.counter_where("c_total", x), Some(6.0));
+        assert_eq!(d.counter("absent_total"), None);
+        let all = BrainDelta {
+            before: &[],
+            after: &after,
+        };
+        assert_eq!(all.counter("c_total"), Some(12.0));
+    }
 }
