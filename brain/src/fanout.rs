@@ -244,6 +244,9 @@ pub struct Fanout {
     /// Whether the brain's view is recent enough to serve (see [`crate::freshness`]); true
     /// unless a freshness monitor says otherwise.
     fresh_tx: watch::Sender<bool>,
+    /// Set once when the brain is told to stop: every stream it serves ends, so that the
+    /// server's graceful shutdown does not wait on node streams that never end by themselves.
+    stopping_tx: watch::Sender<bool>,
     pending: Mutex<BTreeMap<u64, Pending>>,
     /// How long each recent publication took to be acked by each node connected when it was
     /// published (`GetService`'s rollout latency), the last [`CHANGE_LOG`] publications.
@@ -282,6 +285,7 @@ impl Fanout {
             bodies: Mutex::new(HashMap::new()),
             tails: Mutex::new(HashMap::new()),
             fresh_tx: watch::channel(true).0,
+            stopping_tx: watch::channel(false).0,
             pending: Mutex::new(BTreeMap::new()),
             rollouts: Mutex::new(BTreeMap::new()),
             history: History::default(),
@@ -427,6 +431,20 @@ impl Fanout {
 
     pub fn subscribe_fresh(&self) -> watch::Receiver<bool> {
         self.fresh_tx.subscribe()
+    }
+
+    /// The brain is stopping: every node stream and operator watch ends (UNAVAILABLE, so nodes
+    /// move to another replica at once).
+    pub fn stop(&self) {
+        self.stopping_tx.send_replace(true);
+    }
+
+    /// Resolves once [`Fanout::stop`] has been called.
+    pub async fn stopping(&self) {
+        let mut rx = self.stopping_tx.subscribe();
+        if rx.wait_for(|s| *s).await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// Whether the brain serves nodes: every list complete, and current.

@@ -224,6 +224,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
             metrics.clone(),
         ))
     });
+    let stopping = fanout.clone();
     let service = DataplaneService {
         fanout,
         groups: groups.clone(),
@@ -250,7 +251,13 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         )
         .serve_with_incoming_shutdown(
             listener::incoming(grpc, tls, config.surface.limits, metrics),
-            shutdown(),
+            async move {
+                shutdown().await;
+                // Node streams and operator watches never end by themselves: without this
+                // the graceful shutdown waited for them until the kubelet's SIGKILL, while
+                // nodes kept streaming from a brain on its way out.
+                stopping.stop();
+            },
         )
         .await
         .context("gRPC server")?;

@@ -269,6 +269,7 @@ impl Dataplane for DataplaneService {
                 _ = replaced.notified() => Err(Status::aborted("a newer stream for this node replaced this one")),
                 _ = until(expires) => Err(Status::unauthenticated(expired)),
                 () = until_stale(&fanout) => Err(stale_status(&freshness)),
+                () = fanout.stopping() => Err(Status::unavailable("brain shutting down")),
             };
             if let Err(e) = ended {
                 tracing::info!(%node, session = id, error = %e, "node stream ended");
@@ -347,6 +348,10 @@ impl Dataplane for DataplaneService {
                 }
                 tokio::select! {
                     _ = tx.closed() => return,
+                    () = service.fanout.stopping() => {
+                        let _ = tx.try_send(Err(Status::unavailable("brain shutting down")));
+                        return;
+                    }
                     _ = tokio::time::sleep(node_watch::POLL) => {}
                 }
             }
@@ -386,6 +391,10 @@ impl Dataplane for DataplaneService {
             loop {
                 tokio::select! {
                     _ = tx.closed() => return,
+                    () = service.fanout.stopping() => {
+                        let _ = tx.try_send(Err(Status::unavailable("brain shutting down")));
+                        return;
+                    }
                     _ = tokio::time::sleep(node_watch::POLL) => {}
                 }
                 let now = match service.service_status(&req).await {

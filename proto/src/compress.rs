@@ -91,9 +91,12 @@ mod tests {
         let elements = (0..2000u32)
             .map(|i| crate::v1::Element {
                 key: vec![crate::v1::Datum {
-                    value: Some(crate::v1::datum::Value::Ipv4(
-                        vec![10, (i >> 16) as u8, (i >> 8) as u8, i as u8],
-                    )),
+                    value: Some(crate::v1::datum::Value::Ipv4(vec![
+                        10,
+                        (i >> 16) as u8,
+                        (i >> 8) as u8,
+                        i as u8,
+                    ])),
                 }],
                 ..Default::default()
             })
@@ -128,7 +131,12 @@ mod tests {
         let part = big_delta();
         let encoded = part.encode_to_vec();
         let compressed = compress_part(&encoded).expect("large and repetitive: compressed");
-        assert!(compressed.len() < encoded.len() / 2, "{} of {}", compressed.len(), encoded.len());
+        assert!(
+            compressed.len() < encoded.len() / 2,
+            "{} of {}",
+            compressed.len(),
+            encoded.len()
+        );
         // The per-node header fields are written beside the compressed bytes (frames.rs).
         let mut wire = Update {
             brain_epoch: 7,
@@ -187,6 +195,9 @@ mod tests {
             .encode_to_vec(),
         );
         let mut u = Update::decode(compress_part(&padded).unwrap()).unwrap();
-        assert!(matches!(inflate(&mut u, 1 << 30), Err(CompressError::Nested)));
+        assert!(matches!(
+            inflate(&mut u, 1 << 30),
+            Err(CompressError::Nested)
+        ));
     }
 }

@@ -501,10 +501,21 @@ impl Lab {
 
     /// Stops brain `i` (SIGTERM); actuators keep their rules.
     pub fn stop_brain(&mut self, i: usize) -> Result<()> {
-        if let Some(mut b) = self.brains[i].take() {
-            b.child.stop()?;
-        }
-        Ok(())
+        self.stop_brain_status(i).map(drop)
+    }
+
+    /// Stops brain `i` as [`Lab::stop_brain`] does, and says how it ended and how long that
+    /// took: a brain told to stop must end its streams and exit, not wait to be killed.
+    pub fn stop_brain_status(
+        &mut self,
+        i: usize,
+    ) -> Result<Option<(std::process::ExitStatus, std::time::Duration)>> {
+        let Some(mut b) = self.brains[i].take() else {
+            return Ok(None);
+        };
+        let start = std::time::Instant::now();
+        let status = b.child.stop()?;
+        Ok(status.map(|s| (s, start.elapsed())))
     }
 
     /// Starts brain `i` again. It binds a fresh port (its old one may have been taken by any

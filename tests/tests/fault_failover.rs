@@ -327,4 +327,21 @@ async fn failover_and_restart_resume_by_content_without_snapshots() {
         "{} of {n} connections failed across failover and restart: {failures:?}",
         failures.len()
     );
+
+    // ---- 4. the brain serving every node told to stop (SIGTERM, as the kubelet does) ----
+    // Node streams never end by themselves: the brain must end them (UNAVAILABLE, so the nodes
+    // move on at once) and exit, not wait out the grace period for its SIGKILL.
+    let (status, took) = lab
+        .stop_brain_status(victim)
+        .unwrap()
+        .expect("the restarted brain was running");
+    eprintln!("SIGTERM: brain-{victim} exited with {status} after {took:?}");
+    assert!(
+        status.success(),
+        "brain-{victim} did not exit by itself on SIGTERM with nodes connected: {status} after {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "brain-{victim} took {took:?} to stop"
+    );
 }
