@@ -624,6 +624,12 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     );
     let _ = writeln!(
         w,
+        "| brain parts compressed (once for the fleet) / compression CPU | {} / {} s |",
+        num(cs.brain_compressed_parts),
+        num(cs.brain_compress_seconds)
+    );
+    let _ = writeln!(
+        w,
         "| virtual node decode + apply per update | {} |",
         stats_cell(&cs.virtual_apply)
     );

@@ -94,6 +94,9 @@ pub struct ColdStart {
     pub brain_fanout: Option<HistSummary>,
     pub brain_bytes_sent: Option<f64>,
     pub brain_updates_sent: Option<f64>,
+    /// Distinct parts the brain compressed, and the CPU seconds that took (once for the fleet).
+    pub brain_compressed_parts: Option<f64>,
+    pub brain_compress_seconds: Option<f64>,
     pub virtual_apply: Stats,
     /// API watches held by the brain replicas (the API server's WATCH gauge before and after
     /// they started).

@@ -132,6 +132,12 @@ fn small_scale_run_measures_every_phase_on_every_node() {
     assert!(cold["all_in_sync_seconds"].is_number(), "{cold:#}");
     assert_eq!(cold["real_first_apply"].as_object().unwrap().len(), 2);
     assert!(cold["brain_watches"].as_f64().unwrap() >= 1.0);
+    // The snapshot's large parts went compressed, and the real actuators applied them (their
+    // first apply above, the digest checked).
+    assert!(
+        cold["brain_compressed_parts"].as_f64().unwrap() >= 1.0,
+        "{cold:#}"
+    );
 
     let kp = &json["kube_proxy_cold_start"];
     assert!(

@@ -4,7 +4,10 @@
 //! is timed.
 use std::time::{Duration, Instant};
 
-use super::{BYTES_SENT, Bench, BrainDelta, COMPUTE, FANOUT, SYNC, UPDATES_SENT};
+use super::{
+    BYTES_SENT, Bench, BrainDelta, COMPRESS_SECONDS, COMPRESSED_PARTS, COMPUTE, FANOUT, SYNC,
+    UPDATES_SENT,
+};
 use crate::fleet::{Fleet, FleetNode, NplCollector};
 use crate::kubeproxy::{KpScrape, KubeProxy};
 use crate::results::{ColdStart, KubeProxyColdStart};
@@ -119,6 +122,8 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
     out.brain_fanout = all.histogram(FANOUT).map(|h| h.summary());
     out.brain_bytes_sent = all.counter(BYTES_SENT);
     out.brain_updates_sent = all.counter(UPDATES_SENT);
+    out.brain_compressed_parts = all.counter(COMPRESSED_PARTS);
+    out.brain_compress_seconds = all.counter(COMPRESS_SECONDS);
     out.brain_replicas = n;
     out.connected_per_replica = b
         .rig

@@ -25,6 +25,9 @@ pub const FANOUT: &str = "splitproxy_brain_fanout_duration_seconds";
 pub const COMPUTE: &str = "splitproxy_brain_compute_duration_seconds";
 pub const PUBLICATIONS: &str = "splitproxy_brain_publications_total";
 pub const BYTES_SENT: &str = "splitproxy_brain_update_bytes_sent_total";
+/// Distinct update parts the brain compressed (once each for every node that reads zstd).
+pub const COMPRESSED_PARTS: &str = "splitproxy_brain_compressed_parts_total";
+pub const COMPRESS_SECONDS: &str = "splitproxy_brain_compress_seconds_total";
 pub const UPDATES_SENT: &str = "splitproxy_brain_updates_sent_total";
 pub const SYNC: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
 pub const NPL: &str = "kubeproxy_network_programming_duration_seconds";
