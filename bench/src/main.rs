@@ -18,6 +18,17 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Brain(args)) => {
             let config = splitproxy_brain::config::BrainConfig::try_from(*args)?;
             splitproxy_brain::init_logging(&config.log_format);
+            // A diagnostic for the brain's memory: its live heap against its RSS, every 5 s,
+            // into its log (the heap that RSS blurs with what the allocator keeps).
+            if std::env::var_os("SPLITPROXY_BENCH_BRAIN_HEAP").is_some() {
+                heap::start_counting();
+                std::thread::spawn(|| {
+                    for _ in 0..720 {
+                        eprintln!("[brain heap] {}", heap::memory());
+                        std::thread::sleep(std::time::Duration::from_secs(5));
+                    }
+                });
+            }
             runtime()?.block_on(splitproxy_brain::run::run(config))
         }
         Some(Command::Actuator(args)) => {
