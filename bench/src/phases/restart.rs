@@ -15,16 +15,36 @@ const SNAPSHOTS_SENT: &str = "splitproxy_brain_snapshots_sent_total";
 const RESUMPTIONS: &str = "splitproxy_brain_resumptions_total";
 const ACT_SNAPSHOTS: &str = "splitproxy_actuator_snapshots_applied_total";
 const ACT_DELTAS: &str = "splitproxy_actuator_deltas_applied_total";
+const PUBLICATIONS: &str = "splitproxy_brain_publications_total";
+/// Longer than the brain's spacing of publications (200 ms by default) with room to spare: no
+/// new publication in this long means no change is waiting in the brain.
+const QUIET: Duration = Duration::from_secs(1);
+
+/// Publications so far, summed over the replicas; `None` if one could not be scraped.
+fn publications(scrapes: &[Option<crate::measure::prom::Scrape>]) -> Option<f64> {
+    scrapes
+        .iter()
+        .map(|s| s.as_ref()?.sum_where(PUBLICATIONS, |_| true))
+        .sum()
+}
 
 /// The restart phase. `full_resync_bytes`: what the cold start sent every node.
 pub async fn restart(b: &mut Bench, full_resync_bytes: Option<f64>) -> anyhow::Result<Restart> {
     let n = b.rig.brains.len();
     println!("[bench] phase restart: {n} brain replica(s) stopped and started again");
     let expected = b.rig.splitproxy_nodes();
-    // Start from a fleet in sync (bounded): the restart, not a late change, is measured.
+    // Start from a fleet in sync with a brain that has published every change it saw
+    // (bounded): the restart, not a late change, is measured. "In sync" alone is not enough: a
+    // change the brain still holds back (publications are spaced, --min-publish-interval-ms)
+    // is published by the restarted brain only, which the nodes then cannot resume into.
     let deadline = Instant::now() + b.args.phase_timeout();
-    while !all_in_sync(&b.rig.view().await, expected) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    while Instant::now() < deadline {
+        let before = publications(&b.rig.brain_scrapes());
+        tokio::time::sleep(QUIET).await;
+        let after = publications(&b.rig.brain_scrapes());
+        if before.is_some() && before == after && all_in_sync(&b.rig.view().await, expected) {
+            break;
+        }
     }
     let mut out = Restart {
         replicas: n,
