@@ -908,10 +908,16 @@ impl Lab {
                     }
                 }
                 "EndpointSlice" => {
-                    let s = Api::<EndpointSlice>::namespaced(client.clone(), &ns)
+                    // The pods serve before their endpoints exist, as in a cluster, where an
+                    // endpoint is ready only once its pod is: the other way round, a
+                    // connection that reached a new endpoint before its server listened was
+                    // refused by the pod, not by the dataplane.
+                    let slice: EndpointSlice = serde_json::from_value(value.clone())
+                        .with_context(|| format!("EndpointSlice {ns}/{name}"))?;
+                    self.ensure_pods_for(&slice)?;
+                    Api::<EndpointSlice>::namespaced(client.clone(), &ns)
                         .patch(&name, &pp, &Patch::Apply(&value))
                         .await?;
-                    self.ensure_pods_for(&s)?;
                 }
                 "ServiceCIDR" => {
                     let c = Api::<ServiceCIDR>::all(client.clone())
