@@ -439,6 +439,32 @@ impl Fanout {
         self.stopping_tx.send_replace(true);
     }
 
+    /// Before the streams end on shutdown: waits `publish` for a change the watch task still
+    /// holds back (publications are spaced) to go out, then until every connected node holds
+    /// the latest publication, at most `acks`. A brain restarted on the same cluster state then
+    /// finds its nodes holding what it computes and resumes them by content, not by snapshot;
+    /// a node that cannot ack in time is not waited for.
+    pub async fn drain(&self, publish: Duration, acks: Duration) {
+        tokio::time::sleep(publish).await;
+        let deadline = Instant::now() + acks;
+        loop {
+            let latest = self.publication().version;
+            let behind = self.nodes.lock().map_or(0, |nodes| {
+                nodes
+                    .values()
+                    .filter(|st| {
+                        st.connected && st.acked.as_ref().is_none_or(|h| h.version < latest)
+                    })
+                    .count()
+            });
+            if behind == 0 || Instant::now() >= deadline {
+                tracing::info!(version = latest, behind, "drained before shutdown");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Resolves once [`Fanout::stop`] has been called.
     pub async fn stopping(&self) {
         let mut rx = self.stopping_tx.subscribe();

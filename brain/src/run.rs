@@ -2,6 +2,7 @@
 //! certificate from files, or managed in a Secret by [`crate::pki`]), reflection and health, and
 //! the HTTP endpoints.
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use splitproxy_proto::frames_server::dataplane_server::DataplaneServer;
@@ -225,6 +226,8 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         ))
     });
     let stopping = fanout.clone();
+    // A change held back by the spacing of publications is out within one interval.
+    let drain_publish = config.tuning.min_publish_interval + Duration::from_millis(100);
     let service = DataplaneService {
         fanout,
         groups: groups.clone(),
@@ -253,6 +256,9 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
             listener::incoming(grpc, tls, config.surface.limits, metrics),
             async move {
                 shutdown().await;
+                // What the brain saw goes out before it goes (bounded), so that its nodes
+                // hold what a restarted brain or a peer computes from the same API state.
+                stopping.drain(drain_publish, SHUTDOWN_ACK_WAIT).await;
                 // Node streams and operator watches never end by themselves: without this
                 // the graceful shutdown waited for them until the kubelet's SIGKILL, while
                 // nodes kept streaming from a brain on its way out.
@@ -283,6 +289,10 @@ async fn kube_config(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kub
     };
     Ok(config)
 }
+
+/// How long a stopping brain waits for its connected nodes to ack its latest publication
+/// before it ends their streams (a node that is slow or gone is not waited for longer).
+const SHUTDOWN_ACK_WAIT: Duration = Duration::from_secs(2);
 
 async fn shutdown() {
     splitproxy_proto::process::shutdown_signal().await;

@@ -707,3 +707,47 @@ fn lag_is_the_time_since_the_oldest_publication_a_node_lacks() {
     );
     assert_eq!(f.lag_summary(), (Duration::ZERO, 0));
 }
+
+/// On shutdown the brain waits (bounded) until every connected node holds its latest
+/// publication, so that a restarted brain finds its nodes at what it computes; a node that
+/// does not ack is waited for only up to the bound, and a disconnected one not at all.
+#[tokio::test]
+async fn drain_waits_for_connected_nodes_to_hold_the_latest_publication() {
+    use std::time::{Duration, Instant};
+    let f = fanout();
+    let none = Overlays::new();
+    f.set_connected("n1", true, "peer");
+    f.set_connected("n2", true, "peer");
+    publish(&f, model([1]), &none, 1);
+    let v1 = sync(&f, "n1", None);
+    sync(&f, "n2", None);
+    let start = Instant::now();
+    f.drain(Duration::ZERO, Duration::from_secs(5)).await;
+    assert!(start.elapsed() < Duration::from_millis(500), "both hold v1");
+
+    publish(&f, model([1, 2]), &none, 2);
+    let start = Instant::now();
+    f.drain(Duration::ZERO, Duration::from_millis(300)).await;
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300),
+        "v2 is not acked: waited the bound, {waited:?}"
+    );
+
+    let acker = {
+        let f = f.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            sync(&f, "n1", Some(&v1));
+            f.set_connected("n2", false, "peer");
+        })
+    };
+    let start = Instant::now();
+    f.drain(Duration::ZERO, Duration::from_secs(5)).await;
+    let waited = start.elapsed();
+    acker.await.unwrap();
+    assert!(
+        waited >= Duration::from_millis(100) && waited < Duration::from_secs(2),
+        "done once n1 acked v2 and n2 left: {waited:?}"
+    );
+}
