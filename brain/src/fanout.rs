@@ -530,15 +530,14 @@ impl Fanout {
             let mut nodes = self.nodes.lock().ok()?;
             let st = nodes.entry(node.to_string()).or_default();
             st.generation += 1;
-            match base {
-                None => (st.generation, 0, Vec::new(), st.zstd),
+            let (base_generation, base_digest) = match base {
+                None => (0, Vec::new()),
                 // Acked here: the base is named by its generation.
-                Some(_) if st.acked_generation != 0 => {
-                    (st.generation, st.acked_generation, Vec::new(), st.zstd)
-                }
+                Some(_) if st.acked_generation != 0 => (st.acked_generation, Vec::new()),
                 // Resumed by content and not acked here since: by its digest.
-                Some(b) => (st.generation, 0, b.digest(), st.zstd),
-            }
+                Some(b) => (0, b.digest()),
+            };
+            (st.generation, base_generation, base_digest, st.zstd)
         };
         let node_part = node_part(own, target.digest(), base_digest);
         let frame = |shared: Bytes, extra: Bytes| UpdateFrame {

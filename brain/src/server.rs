@@ -528,11 +528,11 @@ fn updates(
     rx: mpsc::Receiver<Result<Vec<UpdateFrame>, Status>>,
 ) -> impl Stream<Item = Result<UpdateFrame, Status>> + Send {
     futures::StreamExt::flat_map(ReceiverStream::new(rx), |batch| {
-        let frames: Vec<Result<UpdateFrame, Status>> = match batch {
-            Ok(frames) => frames.into_iter().map(Ok).collect(),
-            Err(e) => vec![Err(e)],
+        let (frames, error) = match batch {
+            Ok(frames) => (frames, None),
+            Err(e) => (Vec::new(), Some(e)),
         };
-        futures::stream::iter(frames)
+        futures::stream::iter(frames.into_iter().map(Ok).chain(error.map(Err)))
     })
 }
 

@@ -59,6 +59,18 @@ pub fn compress_part(encoded: &[u8]) -> Option<Bytes> {
     ))
 }
 
+/// The encoded fields inside `Update.zstd`, at most `limit` bytes. The brain's frames say their
+/// size ([`compress_part`] compresses in one go); the buffer is allocated for exactly that,
+/// never for the limit.
+pub fn decompress(compressed: &[u8], limit: usize) -> Result<Vec<u8>, CompressError> {
+    let size = match zstd::zstd_safe::get_frame_content_size(compressed) {
+        Ok(Some(n)) if n <= limit as u64 => n as usize,
+        _ => return Err(CompressError::Size { limit }),
+    };
+    zstd::bulk::decompress(compressed, size)
+        .map_err(|source| CompressError::Decompress { limit, source })
+}
+
 /// Decodes `update.zstd`, if any, into `update` itself, as if the decompressed fields had been
 /// sent in its place; at most `limit` bytes once decompressed (a broken or hostile peer cannot
 /// make the node allocate more than the largest message it accepts anyway).
@@ -67,14 +79,7 @@ pub fn inflate(update: &mut Update, limit: usize) -> Result<(), CompressError> {
         return Ok(());
     }
     let compressed = std::mem::take(&mut update.zstd);
-    // The brain's frames say their size ([`compress_part`] compresses in one go); the buffer is
-    // allocated for exactly that, never for the limit.
-    let size = match zstd::zstd_safe::get_frame_content_size(&compressed) {
-        Ok(Some(n)) if n <= limit as u64 => n as usize,
-        _ => return Err(CompressError::Size { limit }),
-    };
-    let plain = zstd::bulk::decompress(&compressed, size)
-        .map_err(|source| CompressError::Decompress { limit, source })?;
+    let plain = decompress(&compressed, limit)?;
     update.merge(plain.as_slice())?;
     if !update.zstd.is_empty() {
         return Err(CompressError::Nested);

@@ -57,6 +57,19 @@ pub fn binary(name: &str) -> Result<PathBuf> {
     binary_in(&cache_root(), name)
 }
 
+/// A `grpcurl` command that authenticates the brain with `tls.ca` and itself with `tls`'s
+/// certificate, as an operator's copyable command does; the caller adds the rest.
+pub fn grpcurl(tls: &crate::certs::TlsFiles) -> Result<std::process::Command> {
+    let mut cmd = std::process::Command::new(binary("grpcurl")?);
+    cmd.arg("-cacert")
+        .arg(&tls.ca)
+        .arg("-cert")
+        .arg(&tls.cert)
+        .arg("-key")
+        .arg(&tls.key);
+    Ok(cmd)
+}
+
 /// [`binary`] with an explicit cache root instead of [`cache_root`].
 pub fn binary_in(root: &Path, name: &str) -> Result<PathBuf> {
     if name.is_empty() || name.contains('/') {

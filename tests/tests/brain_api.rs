@@ -386,7 +386,6 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grpcurl_lists_services_through_reflection() {
-    let grpcurl = splitproxy_tests::tools::binary("grpcurl").unwrap();
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .unwrap();
@@ -397,13 +396,8 @@ async fn grpcurl_lists_services_through_reflection() {
         op,
     } = brain_for(&cp, "grpcurl");
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(&grpcurl)
-            .arg("-cacert")
-            .arg(&op.ca)
-            .arg("-cert")
-            .arg(&op.cert)
-            .arg("-key")
-            .arg(&op.key)
+        let out = splitproxy_tests::tools::grpcurl(&op)
+            .unwrap()
             .arg(brain.grpc.to_string())
             .args(args)
             .output()

@@ -90,15 +90,8 @@ async fn watch_nodes_is_a_live_view_of_connections() {
     assert!(kinds.contains(&Kind::Connected), "{kinds:?}");
 
     // The same through plain grpcurl and reflection, ended by its own time limit.
-    let grpcurl = splitproxy_tests::tools::binary("grpcurl").unwrap();
-    let op = &lab.operator_tls;
-    let out = std::process::Command::new(&grpcurl)
-        .arg("-cacert")
-        .arg(&op.ca)
-        .arg("-cert")
-        .arg(&op.cert)
-        .arg("-key")
-        .arg(&op.key)
+    let out = splitproxy_tests::tools::grpcurl(&lab.operator_tls)
+        .unwrap()
         .args(["-max-time", "2"])
         .arg(lab.brain(0).grpc.to_string())
         .arg("splitproxy.v1.Dataplane/WatchNodes")
@@ -290,16 +283,9 @@ async fn explain_packet_through_grpcurl_and_the_node_scope() {
         splitproxy_tests::traffic::web_service_with_client(&lab, "xp", "10.96.6.10").await;
     lab.wait_synced(Duration::from_secs(20)).await.unwrap();
 
-    let grpcurl = splitproxy_tests::tools::binary("grpcurl").unwrap();
-    let op = &lab.operator_tls;
     let run = |args: &[&str]| {
-        std::process::Command::new(&grpcurl)
-            .arg("-cacert")
-            .arg(&op.ca)
-            .arg("-cert")
-            .arg(&op.cert)
-            .arg("-key")
-            .arg(&op.key)
+        splitproxy_tests::tools::grpcurl(&lab.operator_tls)
+            .unwrap()
             .args(args)
             .output()
             .unwrap()

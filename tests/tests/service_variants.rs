@@ -359,14 +359,8 @@ async fn get_service_shows_each_node_variant() {
     assert!(web.variants_version > after.variants_version, "{web:?}");
 
     // Plain grpcurl through reflection shows the same, in words too.
-    let grpcurl = splitproxy_tests::tools::binary("grpcurl").unwrap();
-    let out = std::process::Command::new(&grpcurl)
-        .arg("-cacert")
-        .arg(&op.ca)
-        .arg("-cert")
-        .arg(&op.cert)
-        .arg("-key")
-        .arg(&op.key)
+    let out = splitproxy_tests::tools::grpcurl(&op)
+        .unwrap()
         .args(["-d", &format!(r#"{{"namespace":"{NS}","name":"local"}}"#)])
         .arg(brain.grpc.to_string())
         .arg("splitproxy.v1.Dataplane/GetService")

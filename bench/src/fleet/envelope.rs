@@ -42,7 +42,8 @@ impl Envelope {
 /// Decompressed parts (`Update.zstd`) by a hash of their compressed bytes: every node at the same
 /// base gets the same compressed part, and the fleet decompresses it once, as it decodes shared
 /// parts once ([`super::shared`]); a real actuator decompresses its own copy
-/// (`splitproxy_proto::compress::inflate`).
+/// (`splitproxy_proto::compress::inflate`); the fleet keeps the encoded fields, which it merges
+/// into the envelope itself.
 fn inflated(compressed: &Bytes) -> Result<Bytes, String> {
     use std::collections::HashMap;
     use std::hash::{Hash, Hasher};
@@ -57,13 +58,12 @@ fn inflated(compressed: &Bytes) -> Result<Bytes, String> {
     if let Some(b) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
         return Ok(b);
     }
-    let mut u = splitproxy_proto::v1::Update {
-        zstd: compressed.to_vec(),
-        ..Default::default()
-    };
-    splitproxy_proto::compress::inflate(&mut u, splitproxy_proto::transport::MAX_UPDATE_MESSAGE)
-        .map_err(|e| e.to_string())?;
-    let plain = Bytes::from(u.encode_to_vec());
+    let plain = splitproxy_proto::compress::decompress(
+        compressed,
+        splitproxy_proto::transport::MAX_UPDATE_MESSAGE,
+    )
+    .map(Bytes::from)
+    .map_err(|e| e.to_string())?;
     if let Ok(mut c) = cache.lock() {
         if c.len() >= KEEP {
             c.clear();
