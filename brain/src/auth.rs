@@ -107,8 +107,9 @@ pub fn roles(identity: &Identity, groups: &Groups) -> Roles {
 pub enum Refusal {
     /// Neither a client certificate nor a bearer token reached the RPC.
     NoIdentity,
-    /// TokenReview did not authenticate the bearer token: expired, for another audience,
-    /// bound to a pod or secret that is gone, or not a token at all.
+    /// The bearer token is refused before any role: expired by its own `exp` (refused without
+    /// a review), or TokenReview did not authenticate it (for another audience, bound to a pod
+    /// or secret that is gone, not a token at all). The refusal's message tells these apart.
     BadToken,
     /// A token of the node ServiceAccount that carries no node-name claim (not bound to a pod
     /// scheduled on a node), so it names no node.

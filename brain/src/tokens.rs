@@ -15,6 +15,12 @@
 //!   `splitproxy.io/introspection` (groups = [operator group]); otherwise it has no role;
 //! - the identity expires at the token's JWT `exp`, so a node's stream ends when its token does.
 //!
+//! A token whose own `exp` has passed is refused without a review ("the token expired ... ago"):
+//! whatever TokenReview answered, the brain would refuse it (an accepted identity ends at its
+//! `exp`), so reading that claim unverified decides nothing a review could change. The claims
+//! are otherwise read unverified only to say why TokenReview refused a token (a JWT for another
+//! audience says so), never to accept one ([`UnverifiedClaims`]).
+//!
 //! Reviews are cached, keyed by the token's SHA-256 (the token itself is never kept): an accepted
 //! token until min(its `exp`, [`POSITIVE_TTL`]), so a deleted pod's token stops opening new calls
 //! within that bound; a refused one for [`NEGATIVE_TTL`], so a flood of bad tokens costs the API
@@ -197,24 +203,102 @@ pub fn classify(user: &UserInfo, node_account: Option<&ServiceAccountRef>) -> Cl
     }
 }
 
+/// What a JWT says about itself, read from its payload without checking its signature. Used
+/// only where trusting it cannot accept anything: the expiry of a token TokenReview accepted
+/// ([`jwt_expiry`]), refusing a token whose `exp` has passed, and the words of a refusal.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UnverifiedClaims {
+    /// `exp`, in seconds since the epoch.
+    pub exp: Option<u64>,
+    /// `aud`: one string or a list of them in the JWT; empty when absent.
+    pub aud: Vec<String>,
+}
+
+impl UnverifiedClaims {
+    /// The claims of `token`; `None` for a token that is not a JWT with a JSON object as its
+    /// payload. A claim of another type than the JWT's (an `exp` that is a string) is absent.
+    pub fn of(token: &str) -> Option<UnverifiedClaims> {
+        let mut parts = token.split('.');
+        let (_header, payload, _signature) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() {
+            return None;
+        }
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(payload.trim_end_matches('='))
+            .ok()?;
+        let claims: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&bytes).ok()?;
+        let aud = match claims.get("aud") {
+            Some(serde_json::Value::String(a)) => vec![a.clone()],
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|a| a.as_str().map(str::to_string))
+                .collect(),
+            _ => Vec::new(),
+        };
+        Some(UnverifiedClaims {
+            exp: claims.get("exp").and_then(serde_json::Value::as_u64),
+            aud,
+        })
+    }
+
+    /// When the token says it expires.
+    pub fn expiry(&self) -> Option<SystemTime> {
+        SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(self.exp?))
+    }
+}
+
 /// When a JWT says it expires (`exp`), read from its payload without checking its signature:
 /// only called once TokenReview accepted the token, which checked it. `None` for a token that
 /// is not a JWT or has no `exp`.
 pub fn jwt_expiry(token: &str) -> Option<SystemTime> {
-    #[derive(serde::Deserialize)]
-    struct Claims {
-        exp: Option<u64>,
+    UnverifiedClaims::of(token)?.expiry()
+}
+
+/// The refusal of a token that expired at `at`: it says so, how long ago, and when.
+fn expired(at: SystemTime, now: SystemTime) -> Rejected {
+    let ago = now.duration_since(at).unwrap_or_default().as_secs();
+    let when = at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .ok()
+        .and_then(|d| i64::try_from(d.as_secs()).ok())
+        .and_then(|s| k8s_openapi::jiff::Timestamp::from_second(s).ok())
+        .map(|t| t.to_string())
+        .unwrap_or_else(|| "?".into());
+    Rejected::new(
+        Refusal::BadToken,
+        format!("the token expired {ago} s ago (exp {when})"),
+    )
+}
+
+/// Why TokenReview (for `audience`) refused `token`, in words: when the token's own `aud` does
+/// not name `audience`, that is the likely reason and is said first; otherwise the API server's
+/// reason (`why`). Peer-supplied text is bounded.
+fn not_accepted(token: &str, audience: &str, why: &str) -> String {
+    let why = if why.is_empty() {
+        "not authenticated".to_string()
+    } else {
+        crate::auth::bounded(why, 512)
+    };
+    let aud = UnverifiedClaims::of(token)
+        .map(|c| c.aud)
+        .unwrap_or_default();
+    if !aud.is_empty() && !aud.iter().any(|a| a == audience) {
+        let shown: Vec<String> = aud
+            .iter()
+            .take(4)
+            .map(|a| crate::auth::bounded(a, 64))
+            .collect();
+        let more = if aud.len() > shown.len() {
+            format!(" and {} more", aud.len() - shown.len())
+        } else {
+            String::new()
+        };
+        return format!(
+            "the token is for audience {shown:?}{more}, not {audience:?}; TokenReview: {why}"
+        );
     }
-    let mut parts = token.split('.');
-    let (_header, payload, _signature) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() {
-        return None;
-    }
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(payload.trim_end_matches('='))
-        .ok()?;
-    let exp = serde_json::from_slice::<Claims>(&bytes).ok()?.exp?;
-    SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(exp))
+    format!("TokenReview (audience {audience:?}) did not accept the token: {why}")
 }
 
 /// Why a token was not accepted: the refusal (its metric label and status code) and the
@@ -372,11 +456,11 @@ impl Authenticator {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         match entry.into_value().verdict {
-            Verdict::Accepted(identity)
-                if identity.expires.is_some_and(|at| at <= SystemTime::now()) =>
-            {
-                Err(Rejected::new(Refusal::BadToken, "the token has expired"))
-            }
+            // Cached until its expiry: this is the moment it passes, or it passed while the
+            // review was under way.
+            Verdict::Accepted(Identity {
+                expires: Some(at), ..
+            }) if at <= SystemTime::now() => Err(expired(at, SystemTime::now())),
             Verdict::Accepted(identity) => Ok(identity),
             Verdict::Refused(rejected) => Err(rejected),
         }
@@ -385,6 +469,16 @@ impl Authenticator {
     /// Asks the API server about `token`. An `Err` (no answer) is not cached.
     async fn review(&self, token: &str) -> Result<Cached, ReviewError> {
         let c = self.counters();
+        // Refused whatever TokenReview says (see the module's documentation): not asked.
+        let now = SystemTime::now();
+        if let Some(at) = UnverifiedClaims::of(token).and_then(|c| c.expiry())
+            && at <= now
+        {
+            return Ok(Cached {
+                verdict: Verdict::Refused(expired(at, now)),
+                ttl: NEGATIVE_TTL,
+            });
+        }
         // Waiting for a turn is not the API server failing: only the reviews are timed.
         let _turn = self
             .in_flight
@@ -406,17 +500,9 @@ impl Authenticator {
             }
             TokenReviewed::Unauthenticated(why) => {
                 c.unauthenticated.fetch_add(1, Ordering::Relaxed);
-                let why = if why.is_empty() {
-                    "not authenticated".to_string()
-                } else {
-                    crate::auth::bounded(&why, 512)
-                };
                 return Ok(refused(
                     Refusal::BadToken,
-                    format!(
-                        "TokenReview (audience {:?}) did not accept the token: {why}",
-                        self.settings.audience
-                    ),
+                    not_accepted(token, &self.settings.audience, &why),
                 ));
             }
         };

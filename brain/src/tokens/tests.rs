@@ -385,17 +385,119 @@ async fn api_errors_are_unavailable_and_not_cached() {
     assert_eq!(metrics.tokens.access_errors.load(Ordering::Relaxed), 2);
 }
 
+/// The API server accepts a token up to a minute past its `exp` (its JWT validation's leeway);
+/// the brain does not, and says why in words rather than relaying a review. A token whose `exp`
+/// has passed is not even sent for review: whatever the answer, it would be refused.
 #[tokio::test]
-async fn an_expired_token_is_refused_even_if_the_review_accepted_it() {
+async fn an_expired_token_is_refused_as_expired_without_a_review() {
     let past = jwt(Some(SystemTime::now() - Duration::from_secs(5)), "old");
-    let (a, _, _) = authenticator(Fake {
+    let (a, fake, metrics) = authenticator(Fake {
         tokens: HashMap::from([(
             past.clone(),
             Some(TokenReviewed::Authenticated(user(NODE_SA, Some("node-0")))),
         )]),
         ..Default::default()
     });
-    let err = a.identity(&past).await.unwrap_err();
+    for _ in 0..2 {
+        let err = a.identity(&past).await.unwrap_err();
+        assert_eq!(err.reason, Refusal::BadToken);
+        assert!(
+            err.detail.starts_with("the token expired ") && err.detail.contains(" s ago (exp 20"),
+            "{}",
+            err.detail
+        );
+    }
+    assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 0);
+    assert_eq!(metrics.tokens.unauthenticated.load(Ordering::Relaxed), 0);
+}
+
+/// An accepted token whose review is cached is refused as expired from its `exp` on, without a
+/// new review (the cache entry lives until then at most).
+#[tokio::test]
+async fn an_accepted_token_is_refused_as_expired_from_its_exp_on() {
+    let soon = SystemTime::now() + Duration::from_secs(2);
+    let token = jwt(Some(soon), "soon");
+    let (a, fake, _) = authenticator(Fake {
+        tokens: HashMap::from([(
+            token.clone(),
+            Some(TokenReviewed::Authenticated(user(NODE_SA, Some("node-0")))),
+        )]),
+        ..Default::default()
+    });
+    assert_eq!(a.identity(&token).await.unwrap().names, ["node-0"]);
+    let exp = jwt_expiry(&token).unwrap();
+    tokio::time::sleep(exp.duration_since(SystemTime::now()).unwrap_or_default()).await;
+    let err = a.identity(&token).await.unwrap_err();
     assert_eq!(err.reason, Refusal::BadToken);
     assert!(err.detail.contains("expired"), "{}", err.detail);
+    assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 1);
+}
+
+/// A token TokenReview refuses whose own `aud` does not name the brain's audience: the refusal
+/// says so (the claim explains, TokenReview decided). With the right audience, or no JWT at
+/// all, the API server's reason is relayed as before.
+#[tokio::test]
+async fn a_wrong_audience_is_named_in_the_refusal() {
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let with_payload =
+        |payload: &str| format!("{}.{}.c2ln", b64(r#"{"alg":"RS256"}"#), b64(payload));
+    let exp = in_an_hour()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let (a, fake, _) = authenticator(Fake::default());
+    let one = with_payload(&format!(r#"{{"aud":"somebody-else","exp":{exp}}}"#));
+    let err = a.identity(&one).await.unwrap_err();
+    assert_eq!(err.reason, Refusal::BadToken);
+    assert!(
+        err.detail.starts_with(
+            r#"the token is for audience ["somebody-else"], not "splitproxy"; TokenReview: invalid bearer token"#
+        ),
+        "{}",
+        err.detail
+    );
+    let many = with_payload(&format!(
+        r#"{{"aud":["a","b","c","d","e","{}"],"exp":{exp}}}"#,
+        "f".repeat(1000)
+    ));
+    let err = a.identity(&many).await.unwrap_err();
+    assert!(
+        err.detail
+            .contains(r#"["a", "b", "c", "d"] and 2 more, not "splitproxy""#),
+        "{}",
+        err.detail
+    );
+    for relayed in [
+        with_payload(&format!(r#"{{"aud":["splitproxy"],"exp":{exp}}}"#)),
+        with_payload(r#"{"aud":7}"#),
+        "garbage".to_string(),
+    ] {
+        let err = a.identity(&relayed).await.unwrap_err();
+        assert!(
+            err.detail
+                .starts_with(r#"TokenReview (audience "splitproxy") did not accept the token: invalid bearer token"#),
+            "{relayed}: {}",
+            err.detail
+        );
+    }
+    assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 5);
+}
+
+#[test]
+fn unverified_claims_take_one_audience_or_several() {
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let of = |payload: &str| UnverifiedClaims::of(&format!("e30.{}.c2ln", b64(payload)));
+    assert_eq!(
+        of(r#"{"aud":"x","exp":5}"#),
+        Some(UnverifiedClaims {
+            exp: Some(5),
+            aud: vec!["x".into()]
+        })
+    );
+    assert_eq!(
+        of(r#"{"aud":["x",3,"y"]}"#).unwrap().aud,
+        ["x".to_string(), "y".to_string()]
+    );
+    assert_eq!(of(r#"{"exp":"soon"}"#), Some(UnverifiedClaims::default()));
+    assert_eq!(of("[1]"), None);
 }
