@@ -380,6 +380,55 @@ impl ControlPlane {
         &self.dir_path
     }
 
+    /// `token`, a JWT this API server issued, with its claims changed by `edit` and signed
+    /// again with the API server's own service-account key (ES256, the same key id): a token
+    /// the API server could have issued itself. TokenRequest allows no `exp` in the past and none
+    /// sooner than 10 minutes; tests of expiry need both.
+    pub fn resign_token(
+        &self,
+        token: &str,
+        edit: impl FnOnce(&mut serde_json::Value),
+    ) -> Result<String> {
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let mut parts = token.split('.');
+        let (Some(header), Some(payload), Some(_), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            bail!("not a JWT: {} parts", token.split('.').count());
+        };
+        let mut claims: serde_json::Value = serde_json::from_slice(&b64.decode(payload)?)?;
+        edit(&mut claims);
+        let input = format!("{header}.{}", b64.encode(serde_json::to_vec(&claims)?));
+        let pem = std::fs::read_to_string(self.dir_path.join("pki/sa.key"))?;
+        let der = rcgen::KeyPair::from_pem(&pem)?.serialize_der();
+        let rng = ring::rand::SystemRandom::new();
+        let key = ring::signature::EcdsaKeyPair::from_pkcs8(
+            &ring::signature::ECDSA_P256_SHA256_FIXED_SIGNING,
+            &der,
+            &rng,
+        )
+        .map_err(|e| anyhow!("the service-account key: {e}"))?;
+        let signature = key
+            .sign(&rng, input.as_bytes())
+            .map_err(|e| anyhow!("signing: {e}"))?;
+        Ok(format!("{input}.{}", b64.encode(signature.as_ref())))
+    }
+
+    /// [`ControlPlane::resign_token`] with every time claim moved so that `exp` is `exp` (seconds
+    /// since the epoch) and the token was issued 10 minutes before it: exactly the token, expired
+    /// or expiring then.
+    pub fn token_expiring_at(&self, token: &str, exp: i64) -> Result<String> {
+        self.resign_token(token, |claims| {
+            let issued = exp - 600;
+            claims["iat"] = serde_json::json!(issued);
+            claims["nbf"] = serde_json::json!(issued);
+            claims["exp"] = serde_json::json!(exp);
+            if claims["kubernetes.io"]["warnafter"].is_number() {
+                claims["kubernetes.io"]["warnafter"] = serde_json::json!(issued);
+            }
+        })
+    }
+
     /// The kube-apiserver log file.
     pub fn apiserver_log(&self) -> PathBuf {
         self.dir_path.join("kube-apiserver.log")
