@@ -3,6 +3,7 @@
 # subcommand (default `demo`: API server, brain and actuators in node namespaces, demo Services,
 # live traffic through a ClusterIP). `tools/lab.sh --help` lists the subcommands, e.g.
 #   tools/lab.sh up --detach --scenario tests/lab/scenarios/nodeport-local --probe
+#   tools/lab.sh up --chart --detach     (the Helm chart's objects, installed as chart_lab.rs does)
 #   tools/lab.sh replay tests/lab/scenarios/nodeport-local
 #   tools/lab.sh probe --from external 192.168.77.10:30080
 #   tools/lab.sh down

@@ -1352,10 +1352,10 @@ impl Lab {
     }
 
     /// The lab as JSON: API server, brains, nodes (addresses, pod CIDRs, zones), pods, external
-    /// clients, flags.
+    /// clients, flags; with the chart, its pods (`chart`).
     pub fn status(&self) -> serde_json::Value {
         let brain_opts = self.opts.effective_brain_options();
-        serde_json::json!({
+        let mut status = serde_json::json!({
             "kubeconfig": self.cp.kubeconfig_path(),
             "apiserver": self.cp.url(),
             "service_cidrs": self.opts.service_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
@@ -1399,7 +1399,14 @@ impl Lab {
                 "netns": e.netns().name(),
             })).collect::<Vec<_>>(),
             "logs": self.dir(),
-        })
+        });
+        // Installed, the brains run with the chart's arguments, not the lab's.
+        if let Some(install) = &self.install {
+            let chart = install.status();
+            status["brain_flags"] = chart["brain_args"].clone();
+            status["chart"] = chart;
+        }
+        status
     }
 }
 

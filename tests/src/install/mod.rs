@@ -295,6 +295,14 @@ pub fn render(set: &[String], api_versions: &[String]) -> Result<Vec<DynamicObje
     crate::manifests::documents(&String::from_utf8_lossy(&out.stdout))
 }
 
+/// Whether `dir` lies under `/run` (or `/var/run`), which every container's private mount
+/// namespace covers with a tmpfs before binding its volumes there: volumes kept under it would
+/// be hidden from their own bind mounts.
+pub fn under_run(dir: &Path) -> bool {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    dir.starts_with("/run") || dir.starts_with("/var/run")
+}
+
 fn is_hook(obj: &DynamicObject) -> bool {
     obj.metadata
         .annotations
@@ -327,6 +335,13 @@ impl Install {
     ) -> Result<Install> {
         let dir = dir.join("install");
         std::fs::create_dir_all(&dir)?;
+        if under_run(&dir) {
+            bail!(
+                "the chart's pods keep their volumes in {}, under /run, which each container's \
+                 mount namespace covers with a tmpfs: use a directory elsewhere",
+                dir.display()
+            );
+        }
         let mut set = vec![
             "kubeProxy.mode=replace".to_string(),
             "k8sServiceHost=127.0.0.1".to_string(),
@@ -465,6 +480,40 @@ impl Install {
             })
             .map(|(n, p)| (n.clone(), p.node))
             .collect()
+    }
+
+    /// The release as the lab's `status` shows it: each pod, its component and node, and its
+    /// log; the brains' rendered arguments.
+    pub fn status(&self) -> serde_json::Value {
+        let pods: Vec<serde_json::Value> = lock(&self.pods)
+            .iter()
+            .map(|(name, p)| {
+                let component = p
+                    .pod
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get("app.kubernetes.io/component").cloned());
+                json!({
+                    "pod": name,
+                    "component": component,
+                    "node": self.node_names[p.node],
+                    "running": p.child.is_some(),
+                    "log": p.log,
+                })
+            })
+            .collect();
+        let brain_args = self
+            .of_kind("Deployment")
+            .into_iter()
+            .next()
+            .map(|d| d.data["spec"]["template"]["spec"]["containers"][0]["args"].clone());
+        json!({
+            "release": RELEASE,
+            "namespace": NAMESPACE,
+            "pods": pods,
+            "brain_args": brain_args,
+        })
     }
 
     /// The last lines of a pod's log.

@@ -84,7 +84,8 @@ pub struct UpArgs {
     /// Number of node namespaces (each with an actuator); default 3, or what lab.yaml says.
     #[arg(long)]
     pub nodes: Option<usize>,
-    /// Number of brain replicas; default 1, or what lab.yaml says.
+    /// Number of brain replicas; default 1, or what lab.yaml says (with --chart: 2, at most one
+    /// per node, as the chart's anti-affinity wants).
     #[arg(long)]
     pub brains: Option<usize>,
     /// Service CIDRs of the API server and the brain (comma-separated); default
@@ -104,6 +105,16 @@ pub struct UpArgs {
     /// Return once the lab is up, leaving the supervisor in the background.
     #[arg(long)]
     pub detach: bool,
+    /// Install the Helm chart (charts/splitproxy) instead of starting brains and actuators
+    /// directly, as the chart-driven test does (tests/src/install/): its rendered objects
+    /// applied to the API server, a Pod per brain replica and per node, each container run in
+    /// its node's namespace with exactly its rendered arguments, environment and volumes
+    /// (ServiceAccount tokens, the brains' own CA, brains found through their EndpointSlices).
+    #[arg(long)]
+    pub chart: bool,
+    /// A chart value (KEY=VALUE, as `helm --set` takes it; repeatable), after the lab's own.
+    #[arg(long = "set", value_name = "KEY=VALUE", requires = "chart")]
+    pub set: Vec<String>,
 }
 
 #[derive(Debug, Clone, clap::Args)]

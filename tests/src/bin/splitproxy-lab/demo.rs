@@ -32,14 +32,23 @@ pub fn run(state_dir: &Path, mut up: UpArgs) -> anyhow::Result<()> {
     control::call(state_dir, &client)?;
     println!("created pod client (10.244.0.100, fd00:244::100) on node-0");
 
-    // The rules reach every node within moments; wait for the first answer, bounded.
+    // The rules reach every node within moments, the demo's objects possibly in several
+    // publications (the chart's brains space them 200 ms apart): wait until the first and the
+    // last of them show, bounded.
     let deadline = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < deadline {
-        let v = control::call(state_dir, &probe("10.96.0.100:80", false, 1))?;
-        if v["results"][0]["result"] == "answered" {
-            break;
+    let first_and_last = [
+        (probe("10.96.0.100:80", false, 1), "answered"),
+        (probe("10.96.0.53:53", true, 1), "answered"),
+        (probe("10.96.0.200:80", false, 1), "refused"),
+    ];
+    for (request, expected) in &first_and_last {
+        while Instant::now() < deadline {
+            let v = control::call(state_dir, request)?;
+            if v["results"][0]["result"] == *expected {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        std::thread::sleep(Duration::from_millis(200));
     }
     show(
         state_dir,

@@ -1,7 +1,9 @@
 //! `splitproxy-lab`: a local splitproxy installation in network namespaces, scriptable.
 //!
-//! `up` starts etcd, kube-apiserver, brains and one actuator per node namespace and stays in the
-//! foreground as the lab's supervisor (or in the background with `--detach`); with `--scenario
+//! `up` starts etcd, kube-apiserver, brains and one actuator per node namespace (with `--chart`,
+//! the Helm chart's brains and actuators, installed as `splitproxy_tests::install` does for the
+//! chart-driven test) and stays in the foreground as the lab's supervisor (or in the background
+//! with `--detach`); with `--scenario
 //! DIR` it is configured by `DIR/lab.yaml`, applies DIR's objects and (`--probe`) runs
 //! `DIR/probes.yaml`. `apply`, `probe`, `http`, `replay`, `pod`, `external`, `status` and `down`
 //! talk to it over a Unix socket; `demo` brings a lab up with demo Services and shows traffic. `brain` and `actuator` run the real components (the same code as the

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use splitproxy_tests::install::{self, InstallOptions};
 use splitproxy_tests::lab::{ExternalSpec, Lab, LabOptions};
 use splitproxy_tests::scenario::{ReplayOptions, Scenario, load_probes};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -60,19 +61,10 @@ fn detach(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
     let log = state_dir.join("lab.log");
     let out = std::fs::File::create(&log)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.arg("--state-dir").arg(state_dir).arg("up");
-    if let Some(n) = args.nodes {
-        cmd.arg("--nodes").arg(n.to_string());
-    }
-    if let Some(b) = args.brains {
-        cmd.arg("--brains").arg(b.to_string());
-    }
-    if let Some(s) = &args.service_cidr {
-        cmd.arg("--service-cidr").arg(s);
-    }
-    if let Some(dir) = &args.scenario {
-        cmd.arg("--scenario").arg(dir);
-    }
+    cmd.arg("--state-dir")
+        .arg(state_dir)
+        .arg("up")
+        .args(supervisor_args(args));
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
@@ -99,6 +91,36 @@ fn detach(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
         "the lab did not come up in 3 minutes; see {}",
         log.display()
     )
+}
+
+/// The `up` arguments of the background supervisor: every option that shapes the lab, so a
+/// detached lab is the lab the command line asked for (the probes and their output stay with
+/// the caller).
+fn supervisor_args(args: &UpArgs) -> Vec<std::ffi::OsString> {
+    let mut out: Vec<std::ffi::OsString> = Vec::new();
+    let mut flag = |name: &str, value: std::ffi::OsString| {
+        out.push(name.into());
+        out.push(value);
+    };
+    if let Some(n) = args.nodes {
+        flag("--nodes", n.to_string().into());
+    }
+    if let Some(b) = args.brains {
+        flag("--brains", b.to_string().into());
+    }
+    if let Some(s) = &args.service_cidr {
+        flag("--service-cidr", s.into());
+    }
+    if let Some(dir) = &args.scenario {
+        flag("--scenario", dir.into());
+    }
+    for value in &args.set {
+        flag("--set", value.into());
+    }
+    if args.chart {
+        out.push("--chart".into());
+    }
+    out
 }
 
 /// Lab options from the command line and the scenario's lab.yaml (the command line wins).
@@ -130,17 +152,47 @@ fn options(state_dir: &Path, args: &UpArgs) -> anyhow::Result<(LabOptions, Optio
             })
             .collect::<anyhow::Result<_>>()?;
     }
+    if args.chart {
+        // The pods' volumes live in the lab's directory, which must not be under /run (each
+        // container gets a tmpfs there): with the default state directory, a temporary one.
+        if opts.dir.as_deref().is_some_and(install::under_run) {
+            opts.dir = Some(std::env::temp_dir().join("splitproxy-lab-chart"));
+        }
+        // The chart's brains replace the lab's: as many replicas as asked, or two, and never
+        // more than there are nodes (the chart's required anti-affinity).
+        let nodes = opts.effective_nodes().len();
+        let defaults = InstallOptions::default();
+        opts.install = Some(InstallOptions {
+            brains: args.brains.unwrap_or(defaults.brains.min(nodes)),
+            set: args.set.clone(),
+            ..defaults
+        });
+    }
     Ok((opts, scenario))
 }
 
 async fn supervise(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
     let (opts, scenario) = options(state_dir, args)?;
-    eprintln!(
-        "bringing up etcd, kube-apiserver, {} brain(s) and {} node(s) ...",
-        opts.brains,
-        opts.effective_nodes().len()
-    );
+    match &opts.install {
+        Some(install) => eprintln!(
+            "bringing up etcd and kube-apiserver, and installing the chart: {} brain(s) and {} node(s) ...",
+            install.brains,
+            opts.effective_nodes().len()
+        ),
+        None => eprintln!(
+            "bringing up etcd, kube-apiserver, {} brain(s) and {} node(s) ...",
+            opts.brains,
+            opts.effective_nodes().len()
+        ),
+    }
     let lab = Arc::new(Lab::start(opts).await?);
+    let chart = match ChartAccess::new(&lab, lab.dir()).await {
+        Ok(chart) => chart,
+        Err(e) => {
+            eprintln!("the chart's brains cannot be reached with grpcurl: {e:#}");
+            None
+        }
+    };
     if let Some(s) = &scenario {
         eprintln!("applying scenario {} ...", s.dir.display());
         for applied in lab.apply_scenario(s).await? {
@@ -155,7 +207,11 @@ async fn supervise(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
         }
     }
     let listener = UnixListener::bind(control::socket_path(state_dir))?;
-    eprintln!("{}", serde_json::to_string_pretty(&status(&lab))?);
+    let chart = chart.map(Arc::new);
+    eprintln!(
+        "{}",
+        serde_json::to_string_pretty(&status(&lab, chart.as_deref()))?
+    );
     let signal = splitproxy_proto::process::shutdown_signal();
     tokio::pin!(signal);
     let (down_tx, mut down_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -166,9 +222,10 @@ async fn supervise(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
             conn = listener.accept() => {
                 let (stream, _) = conn?;
                 let lab = lab.clone();
+                let chart = chart.clone();
                 let down = down_tx.clone();
                 tokio::spawn(async move {
-                    if handle(&lab, stream).await {
+                    if handle(&lab, chart.as_deref(), stream).await {
                         let _ = down.send(()).await;
                     }
                 });
@@ -183,6 +240,7 @@ async fn supervise(state_dir: &Path, args: &UpArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    drop(chart);
     drop(lab);
     Ok(())
 }
@@ -192,7 +250,7 @@ fn error(e: anyhow::Error) -> serde_json::Value {
 }
 
 /// Serves one request; true when the lab should go down.
-async fn handle(lab: &Lab, stream: tokio::net::UnixStream) -> bool {
+async fn handle(lab: &Lab, chart: Option<&ChartAccess>, stream: tokio::net::UnixStream) -> bool {
     let (r, mut w) = stream.into_split();
     let mut line = String::new();
     if BufReader::new(r).read_line(&mut line).await.is_err() {
@@ -207,15 +265,19 @@ async fn handle(lab: &Lab, stream: tokio::net::UnixStream) -> bool {
         }
     };
     let down = matches!(request, Request::Down);
-    let answer = answer(lab, request).await.unwrap_or_else(error);
+    let answer = answer(lab, chart, request).await.unwrap_or_else(error);
     let _ = w.write_all(format!("{answer}\n").as_bytes()).await;
     down
 }
 
-async fn answer(lab: &Lab, request: Request) -> anyhow::Result<serde_json::Value> {
+async fn answer(
+    lab: &Lab,
+    chart: Option<&ChartAccess>,
+    request: Request,
+) -> anyhow::Result<serde_json::Value> {
     Ok(match request {
         Request::Down => serde_json::json!({"ok": true}),
-        Request::Status => status(lab),
+        Request::Status => status(lab, chart),
         Request::Apply { path } => {
             let applied = lab.apply_path(&path).await?;
             serde_json::json!({"ok": true, "applied": applied})
@@ -309,7 +371,7 @@ async fn answer(lab: &Lab, request: Request) -> anyhow::Result<serde_json::Value
     })
 }
 
-pub fn status(lab: &Lab) -> serde_json::Value {
+pub fn status(lab: &Lab, chart: Option<&ChartAccess>) -> serde_json::Value {
     let mut v = lab.status();
     if let Some(b) = lab.brains.iter().flatten().next() {
         let op = &lab.operator_tls;
@@ -323,5 +385,145 @@ pub fn status(lab: &Lab) -> serde_json::Value {
         )
         .into();
     }
+    if let Some(chart) = chart {
+        v["grpcurl"] = chart.grpcurl.clone().into();
+    }
     v
+}
+
+/// How an operator reaches the chart's brains from the host, as on a cluster: the brains' CA
+/// bundle from the ConfigMap they publish, a ServiceAccount token bound to the chart's operator
+/// ClusterRole, and a link from host loopback into the first brain pod's node.
+pub struct ChartAccess {
+    _link: splitproxy_tests::portfwd::Forwarder,
+    grpcurl: String,
+}
+
+impl ChartAccess {
+    /// `None` without the chart; the CA and the token are written into `dir`.
+    async fn new(lab: &Lab, dir: &Path) -> anyhow::Result<Option<ChartAccess>> {
+        let Some(install) = &lab.install else {
+            return Ok(None);
+        };
+        let pod = install
+            .pods_of("brain")
+            .into_iter()
+            .next()
+            .context("no brain pod")?
+            .0;
+        let link = install.brain_link(&pod)?;
+        let ca = dir.join("brain-ca.crt");
+        std::fs::write(&ca, install.brain_ca().await?)?;
+        let token = dir.join("operator.token");
+        {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&token)?
+                .write_all(
+                    install
+                        .operator_token("lab-operator", true)
+                        .await?
+                        .as_bytes(),
+                )?;
+        }
+        let server_name = install
+            .brain_arg("--tls-server-name")
+            .unwrap_or_else(|| "splitproxy-brain".into());
+        let grpcurl = format!(
+            "{} -cacert {} -servername {server_name} -H \"authorization: Bearer $(cat {})\" {} list",
+            splitproxy_tests::tools::cached_path("grpcurl").display(),
+            ca.display(),
+            token.display(),
+            link.local_addr()
+        );
+        Ok(Some(ChartAccess {
+            _link: link,
+            grpcurl,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    /// The detached supervisor is started with every option that shapes the lab: a flag
+    /// dropped there (as `--chart` would be) starts another lab than the one asked for.
+    #[test]
+    fn a_detached_lab_is_the_lab_asked_for() {
+        let asked = "splitproxy-lab up --detach --nodes 4 --brains 3 --service-cidr 10.97.0.0/16 \
+                     --scenario /tmp/s --chart --set identity.mode=podCertificate --set logLevel=debug";
+        let up = |argv: Vec<std::ffi::OsString>| match crate::cli::Cli::parse_from(argv).command {
+            crate::cli::Command::Up(up) => up,
+            other => panic!("{other:?}"),
+        };
+        let args = up(asked.split_whitespace().map(Into::into).collect());
+        let mut argv: Vec<std::ffi::OsString> = vec!["splitproxy-lab".into(), "up".into()];
+        argv.extend(supervisor_args(&args));
+        let again = up(argv);
+        assert_eq!(
+            format!("{again:?}"),
+            format!(
+                "{:?}",
+                UpArgs {
+                    detach: false,
+                    ..args.clone()
+                }
+            )
+        );
+
+        // (Without the scenario, which options() would read.)
+        let no_scenario = UpArgs {
+            scenario: None,
+            ..args
+        };
+        let (opts, _) = options(Path::new("/tmp/lab"), &no_scenario).unwrap();
+        assert_eq!(opts.dir.as_deref(), Some(Path::new("/tmp/lab/run")));
+        let install = opts.install.expect("--chart installs the chart");
+        assert_eq!(install.brains, 3);
+        assert_eq!(
+            install.set,
+            ["identity.mode=podCertificate", "logLevel=debug"]
+        );
+    }
+
+    /// Two brains by default, never more than there are nodes; no chart without --chart, and
+    /// no chart value without it either.
+    #[test]
+    fn the_charts_brains_fit_the_nodes() {
+        let up = |argv: &[&str]| match crate::cli::Cli::try_parse_from(argv).map(|c| c.command) {
+            Ok(crate::cli::Command::Up(up)) => Ok(up),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        let brains = |argv: &[&str]| {
+            let (opts, _) = options(Path::new("/tmp/lab"), &up(argv).unwrap()).unwrap();
+            opts.install.map(|i| i.brains)
+        };
+        assert_eq!(brains(&["lab", "up", "--chart"]), Some(2));
+        assert_eq!(brains(&["lab", "up", "--chart", "--nodes", "1"]), Some(1));
+        assert_eq!(brains(&["lab", "up"]), None);
+        // Under /run (the default state directory), the pods' volumes would be hidden.
+        let dir = |argv: &[&str]| {
+            options(Path::new("/run/splitproxy-lab"), &up(argv).unwrap())
+                .unwrap()
+                .0
+                .dir
+        };
+        assert_eq!(
+            dir(&["lab", "up", "--chart"]),
+            Some(std::env::temp_dir().join("splitproxy-lab-chart"))
+        );
+        assert_eq!(
+            dir(&["lab", "up"]),
+            Some(std::path::PathBuf::from("/run/splitproxy-lab/run"))
+        );
+        assert!(up(&["lab", "up", "--set", "a=b"]).is_err());
+    }
 }
