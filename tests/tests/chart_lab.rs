@@ -8,8 +8,9 @@
 //! 1. Every actuator becomes ready and a Service answers from a pod through its ClusterIP, with
 //!    the chart's RBAC, identity and discovery only.
 //! 2. Refusals on the real path: a node's token claiming another node, another account's token
-//!    (with and without the operator ClusterRole), a token for the API server's audience, and
-//!    no credentials at all; each refused and counted by reason.
+//!    (with and without the operator ClusterRole), a node's own token expired, a node's token for
+//!    another audience, and no credentials at all; each refused with its own message and counted
+//!    by reason.
 //! 3. `helm test` (the chart's test pod, run the same way) passes.
 //! 4. The brain serving the client's node is killed (its Pod deleted, so its endpoint leaves the
 //!    EndpointSlice): every node is back in sync through the other brain, found by listing the
@@ -28,11 +29,12 @@ use tokio_stream::wrappers::ReceiverStream;
 
 const WEB: &str = "10.96.3.10";
 
-/// How a Sync stream on `client` as `node` ends or continues: `Ok` when an update arrived.
+/// How a Sync stream on `client` as `node` ends or continues: a status with code `Ok` when an
+/// update arrived, the refusal otherwise.
 async fn sync_outcome<T>(
     mut client: splitproxy_proto::v1::dataplane_client::DataplaneClient<T>,
     node: &str,
-) -> tonic::Code
+) -> tonic::Status
 where
     T: tonic::client::GrpcService<tonic::body::Body>,
     T::Error: Into<tonic::codegen::StdError>,
@@ -51,19 +53,19 @@ where
     .unwrap();
     let mut updates = match client.sync(ReceiverStream::new(rx)).await {
         Ok(s) => s.into_inner(),
-        Err(status) => return status.code(),
+        Err(status) => return status,
     };
     match tokio::time::timeout(Duration::from_secs(10), updates.message()).await {
-        Ok(Ok(Some(_))) => tonic::Code::Ok,
-        Ok(Ok(None)) => tonic::Code::Cancelled,
-        Ok(Err(status)) => status.code(),
-        Err(_) => tonic::Code::DeadlineExceeded,
+        Ok(Ok(Some(_))) => tonic::Status::ok("an update"),
+        Ok(Ok(None)) => tonic::Status::cancelled("the stream ended without a status"),
+        Ok(Err(status)) => status,
+        Err(_) => tonic::Status::deadline_exceeded("no update in 10 s"),
     }
 }
 
 /// How a Sync stream opened with `token` as `node` ends or continues: `Ok` when an update
 /// arrived, the refusal otherwise.
-async fn open_sync(lab: &Lab, brain: &str, token: Option<&str>, node: &str) -> tonic::Code {
+async fn open_sync(lab: &Lab, brain: &str, token: Option<&str>, node: &str) -> tonic::Status {
     let install = lab.install.as_ref().unwrap();
     let client = install.client_with_token(brain, token).await.unwrap();
     sync_outcome(client, node).await
@@ -115,6 +117,26 @@ async fn the_installed_chart_serves_refuses_and_fails_over() {
     assert_eq!(actuators.len(), 3, "{actuators:?}");
     assert!(install.brain_arg("--tls-secret").is_some());
     assert!(install.brain_arg("--client-ca").is_none());
+    // What the lab's `status` shows of it (`tools/lab.sh up --chart`): the release's pods and
+    // the brains' rendered flags.
+    let status = lab.status();
+    let pods = status["chart"]["pods"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    for (component, n) in [("brain", 2), ("actuator", 3)] {
+        let running = pods
+            .iter()
+            .filter(|p| p["component"] == component && p["running"] == true)
+            .count();
+        assert_eq!(running, n, "{component}: {status:#}");
+    }
+    assert!(
+        status["brain_flags"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|f| f.as_str().is_some_and(|f| f.starts_with("--tls-secret=")))),
+        "{status:#}"
+    );
 
     // 1. A Service through its ClusterIP.
     let client = web_service_with_client(&lab, "cl", WEB).await;
@@ -126,45 +148,92 @@ async fn the_installed_chart_serves_refuses_and_fails_over() {
     let node1_pod = &actuators.iter().find(|(_, n)| *n == 1).unwrap().0;
     let node1_token = install.token_of(node1_pod, "brain-token").unwrap();
     assert_eq!(
-        open_sync(&lab, brain, Some(&node1_token), "node-1").await,
+        open_sync(&lab, brain, Some(&node1_token), "node-1")
+            .await
+            .code(),
         tonic::Code::Ok,
         "node-1's own token opens node-1's stream"
     );
     let other = install.operator_token("lab-somebody", false).await.unwrap();
     let operator = install.operator_token("lab-operator", true).await.unwrap();
-    let cases: [(&str, Option<&str>, tonic::Code, &str); 4] = [
+    // node-1's own token, expired an hour ago (signed again with the API server's key), and a
+    // token of node-1's pod for another audience: each claims node-1, so the expiry or the
+    // audience is the only thing wrong with it.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let expired = lab.cp.token_expiring_at(&node1_token, now - 3600).unwrap();
+    let audience = install.audience();
+    let elsewhere = install.pod_token(node1_pod, "somebody-else").await.unwrap();
+    let not_ours = format!(r#"the token is for audience ["somebody-else"], not "{audience}""#);
+    type Case<'a> = (
+        &'a str,
+        Option<&'a str>,
+        &'a str,
+        tonic::Code,
+        &'a str,
+        &'a str,
+    );
+    let cases: [Case; 6] = [
         (
             "node-1's token claiming node-0",
             Some(&node1_token),
+            "node-0",
             tonic::Code::PermissionDenied,
             "other_node",
+            r#"identifies node(s) ["node-1"] only"#,
         ),
         (
             "another account's token",
             Some(&other),
+            "node-0",
             tonic::Code::PermissionDenied,
             "no_role",
+            "has no role",
         ),
         (
             "an operator's token",
             Some(&operator),
+            "node-0",
             tonic::Code::PermissionDenied,
             "not_a_node",
+            "only node identities may open Sync",
+        ),
+        (
+            "node-1's own token, expired",
+            Some(&expired),
+            "node-1",
+            tonic::Code::Unauthenticated,
+            "bad_token",
+            "the bearer token was not accepted: the token expired ",
+        ),
+        (
+            "a token of node-1's pod for another audience",
+            Some(&elsewhere),
+            "node-1",
+            tonic::Code::Unauthenticated,
+            "bad_token",
+            &not_ours,
         ),
         (
             "no credentials",
             None,
+            "node-0",
             tonic::Code::Unauthenticated,
             "no_identity",
+            "no client certificate and no bearer token",
         ),
     ];
-    for (what, token, code, reason) in cases {
+    for (what, token, node, code, reason, message) in cases {
         let before = refused(&lab, brain, reason);
-        let got = open_sync(&lab, brain, token, "node-0").await;
-        assert_eq!(got, code, "{what}");
+        let got = open_sync(&lab, brain, token, node).await;
+        assert_eq!(got.code(), code, "{what}: {got:?}");
+        assert!(got.message().contains(message), "{what}: {got:?}");
         let after = refused(&lab, brain, reason);
-        assert!(
-            after > before,
+        assert_eq!(
+            after,
+            before + 1.0,
             "{what}: refused_total{{reason={reason}}} {before} -> {after}"
         );
     }
@@ -335,14 +404,14 @@ async fn pod_certificates_from_the_brains_identify_the_nodes() {
         .client_with_certificate_of(&brain, node1, "node-certificate")
         .await
         .unwrap();
-    assert_eq!(sync_outcome(own, "node-1").await, tonic::Code::Ok);
+    assert_eq!(sync_outcome(own, "node-1").await.code(), tonic::Code::Ok);
     let before = refused(&lab, &brain, "other_node");
     let other = install
         .client_with_certificate_of(&brain, node1, "node-certificate")
         .await
         .unwrap();
     assert_eq!(
-        sync_outcome(other, "node-0").await,
+        sync_outcome(other, "node-0").await.code(),
         tonic::Code::PermissionDenied
     );
     assert!(refused(&lab, &brain, "other_node") > before);

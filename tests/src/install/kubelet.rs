@@ -318,7 +318,7 @@ impl Install {
     }
 
     /// A token of the pod's ServiceAccount bound to the pod, as the kubelet requests it.
-    async fn token(
+    pub(super) async fn token(
         &self,
         pod: &Pod,
         audience: Option<&str>,

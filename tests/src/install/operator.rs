@@ -165,6 +165,16 @@ impl Install {
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
     }
 
+    /// A token of pod `pod`'s ServiceAccount for `audience`, bound to the Pod, requested as its
+    /// kubelet requests the pod's own (tests make variants of it: another audience).
+    pub async fn pod_token(&self, pod: &str, audience: &str) -> Result<String> {
+        let object = lock(&self.pods)
+            .get(pod)
+            .map(|p| p.pod.clone())
+            .with_context(|| format!("no pod {pod}"))?;
+        self.token(&object, Some(audience), Some(600)).await
+    }
+
     /// The token the kubelet gave pod `pod` in its volume `volume` (file `token`).
     pub fn token_of(&self, pod: &str, volume: &str) -> Result<String> {
         self.volume_file(pod, volume, "token")
