@@ -1,14 +1,21 @@
 //! The actuator finds its brains through the EndpointSlices of their headless Service, against
 //! the real API server (issue #10, "Finding the brains"): no `--brain` address, only
-//! `--brain-service`, and a kubeconfig for a user who may list EndpointSlices in the brains'
-//! namespace and nothing else (the RBAC the chart gives the actuator).
+//! `--brain-service`, and the chart's own objects for it, rendered with helm
+//! (`splitproxy_tests::install::render`): the brains' headless Service, and the actuator's
+//! ServiceAccount with its Role and RoleBinding, whose one rule lets it list EndpointSlices in
+//! the release's namespace and nothing else. The actuator runs with a token of that account.
 //!
 //! Two brains on host loopback, reached from the node namespace through forwarders at
 //! 192.0.2.2:9443 and 192.0.2.3:9443 (addresses of the namespace's `lo`: the API server refuses
 //! loopback addresses in a slice), the addresses the slice names, as brains on host network at
 //! the same port on two nodes:
 //!
-//! 1. the actuator syncs with the brain its rendezvous order over the discovered set prefers;
+//! 0. the chart's Role without any one of its rules (today its only one, `list` on
+//!    EndpointSlices): the actuator's discovery fails, says so in its log (the API server's
+//!    refusal) and counts it (`splitproxy_actuator_discovery_lists_total{result="error"}`),
+//!    finds no brain and connects to none, although both brains are in the slice;
+//! 1. with the chart's Role as rendered, the actuator syncs with the brain its rendezvous order
+//!    over the discovered set prefers;
 //! 2. that brain killed and dropped from the slice: the node is in sync on the other;
 //! 3. a third brain (192.0.2.4) replaces the survivor in the slice, and the survivor is killed:
 //!    every brain the node knew has failed, so it lists the slices again, finds the third, and
@@ -19,22 +26,34 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use http::Uri;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::Api;
+use kube::api::{DynamicObject, PostParams};
 use nix::sys::signal::Signal;
+use serde_json::Value;
 use splitproxy_actuator::client::brain_order;
 use splitproxy_proto::v1::ListNodesRequest;
 use splitproxy_tests::certs::{Pki, TlsFiles};
 use splitproxy_tests::controlplane::{ControlPlane, ControlPlaneOptions};
 use splitproxy_tests::deploy::{
-    ACTUATOR_METRICS, Brain, BrainOptions, grpc_client, http_get_in, metric,
+    ACTUATOR_METRICS, Brain, BrainOptions, grpc_client, http_get_in, labelled, metric,
 };
-use splitproxy_tests::fixtures::{Ep, docs, namespace, slice};
+use splitproxy_tests::fixtures::{Ep, slice};
+use splitproxy_tests::install;
 use splitproxy_tests::manifests;
 use splitproxy_tests::netns::Netns;
 use splitproxy_tests::portfwd::{Forwarder, forward_port};
 use splitproxy_tests::process::Child;
 
-const NS: &str = "splitproxy-brains";
+/// The release's namespace, as the chart is rendered.
+const NS: &str = install::NAMESPACE;
+/// The brains' headless Service and the actuators' account, as the chart names them.
 const SERVICE: &str = "splitproxy-brain";
+const ACCOUNT: &str = "splitproxy-actuator";
 const NODE: &str = "node-0";
 /// The port the slice names; each brain is at its own address in the node namespace.
 const PORT: u16 = 9443;
@@ -54,24 +73,131 @@ fn uri(i: usize) -> Uri {
     format!("https://{}", node_address(i)).parse().unwrap()
 }
 
-/// The brains' headless Service, and the Role that lets `user` list its EndpointSlices, no more.
-fn service_and_rbac(user: &str) -> String {
-    let service = format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {SERVICE}\n  namespace: {NS}\nspec:\n  \
-         clusterIP: None\n  ports:\n    - {{name: grpc, protocol: TCP, port: {PORT}}}\n"
+fn kind(o: &DynamicObject) -> &str {
+    o.types.as_ref().map(|t| t.kind.as_str()).unwrap_or("")
+}
+
+/// The chart's objects discovery rests on, rendered with its default values: the brains'
+/// headless Service, and the actuator's ServiceAccount, Role and RoleBinding.
+fn chart_objects() -> Vec<DynamicObject> {
+    let objects: Vec<DynamicObject> = install::render(&[], &[])
+        .expect("helm template")
+        .into_iter()
+        .filter(|o| {
+            let name = o.metadata.name.as_deref().unwrap_or("");
+            match kind(o) {
+                "Service" => name == SERVICE,
+                "ServiceAccount" | "Role" | "RoleBinding" => name == ACCOUNT,
+                _ => false,
+            }
+        })
+        .collect();
+    let kinds: Vec<&str> = objects.iter().map(kind).collect();
+    assert_eq!(
+        kinds.len(),
+        4,
+        "the chart's discovery objects changed: {kinds:?}"
     );
-    let role = format!(
-        "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata:\n  name: \
-         splitproxy-actuator\n  namespace: {NS}\nrules:\n  - apiGroups: [discovery.k8s.io]\n    \
-         resources: [endpointslices]\n    verbs: [list]\n"
+    let binding = objects.iter().find(|o| kind(o) == "RoleBinding").unwrap();
+    assert_eq!(
+        binding.data["subjects"],
+        serde_json::json!([{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": NS}]),
+        "the Role is bound to the actuators' account"
     );
-    let binding = format!(
-        "apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata:\n  name: \
-         splitproxy-actuator\n  namespace: {NS}\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  \
-         kind: Role\n  name: splitproxy-actuator\nsubjects:\n  - apiGroup: \
-         rbac.authorization.k8s.io\n    kind: User\n    name: {user}\n"
-    );
-    docs(&[namespace(NS), service, role, binding])
+    objects
+}
+
+/// The chart's Role's rules.
+fn role_rules(objects: &[DynamicObject]) -> Vec<Value> {
+    let role = objects.iter().find(|o| kind(o) == "Role").unwrap();
+    role.data["rules"].as_array().cloned().unwrap_or_default()
+}
+
+/// `objects` as YAML, with the Role's rules replaced by `rules`.
+fn with_rules(objects: &[DynamicObject], rules: &[Value]) -> String {
+    objects
+        .iter()
+        .map(|o| {
+            let mut o = o.clone();
+            if kind(&o) == "Role" {
+                o.data["rules"] = Value::Array(rules.to_vec());
+            }
+            serde_yaml::to_string(&o).unwrap()
+        })
+        .collect::<Vec<_>>()
+        .join("---\n")
+}
+
+/// Whether the authorizer lets the actuators' account do what `rule` names first (its first
+/// verb on its first resource in [`NS`]).
+async fn allowed(cp: &ControlPlane, rule: &Value) -> bool {
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(format!("system:serviceaccount:{NS}:{ACCOUNT}")),
+            groups: Some(vec![
+                "system:serviceaccounts".into(),
+                format!("system:serviceaccounts:{NS}"),
+                "system:authenticated".into(),
+            ]),
+            resource_attributes: Some(ResourceAttributes {
+                namespace: Some(NS.into()),
+                group: rule["apiGroups"][0].as_str().map(String::from),
+                resource: rule["resources"][0].as_str().map(String::from),
+                verb: rule["verbs"][0].as_str().map(String::from),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<SubjectAccessReview>::all(cp.client())
+        .create(&PostParams::default(), &review)
+        .await
+        .unwrap()
+        .status
+        .is_some_and(|s| s.allowed)
+}
+
+/// Applies the chart's objects with the Role's `rules` and waits until the authorizer says
+/// `rule` is (`granted`) or is not allowed (RBAC takes effect asynchronously).
+async fn apply_rbac(
+    cp: &ControlPlane,
+    objects: &[DynamicObject],
+    rules: &[Value],
+    rule: &Value,
+    granted: bool,
+) {
+    manifests::apply(&cp.client(), &with_rules(objects, rules), NS, false)
+        .await
+        .expect("the chart's objects");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while allowed(cp, rule).await != granted {
+        assert!(
+            Instant::now() < deadline,
+            "RBAC never took effect: {rule} granted={granted}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A kubeconfig with a token of the actuators' account.
+async fn account_kubeconfig(cp: &ControlPlane) -> PathBuf {
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let token = Api::<ServiceAccount>::namespaced(cp.client(), NS)
+        .create_token_request(ACCOUNT, &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+        .unwrap();
+    cp.kubeconfig_for_token(&token).unwrap()
 }
 
 /// The Service's one EndpointSlice, with the brains `brains` (by index) ready.
@@ -153,41 +279,13 @@ fn actuator_metric(ns: &Netns, name: &str) -> f64 {
     metric(&text, name).unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_actuator_finds_its_brains_in_the_endpointslices() {
-    let cp = ControlPlane::start(ControlPlaneOptions::default())
-        .await
-        .expect("control plane");
-    let client = cp.client();
-    let user = "splitproxy-actuator-test";
-    manifests::apply(&client, &service_and_rbac(user), NS, false)
-        .await
-        .expect("Service and RBAC");
-    let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new("splitproxy-brains").unwrap();
-    let node_tls = pki
-        .write(dir.path(), "node", &pki.node_cert(NODE).unwrap())
-        .unwrap();
-    let op = pki
-        .write(dir.path(), "op", &pki.operator_cert("op").unwrap())
-        .unwrap();
-
-    let ns = Netns::create("discovery").expect("node namespace");
-    let (mut brain0, _fwd0) = start_brain(&cp, &pki, dir.path(), &ns, 0);
-    let (mut brain1, _fwd1) = start_brain(&cp, &pki, dir.path(), &ns, 1);
-    let brains = [brain0.grpc, brain1.grpc];
-    manifests::apply(&client, &brain_slice(&[0, 1]), NS, false)
-        .await
-        .expect("the brains' EndpointSlice");
-    // The API server, at the address the user's kubeconfig names, from the node.
-    let _api = forward_port(&ns, cp.addr(), cp.addr()).expect("API forwarder");
-    let kubeconfig = cp.kubeconfig_for_user(user, &[]).unwrap();
-
+/// The actuator with discovery only, in `ns`, with `kubeconfig`; its log is `log`.
+fn start_actuator(ns: &Netns, kubeconfig: &Path, node_tls: &TlsFiles, log: &Path) -> Child {
     let mut cmd = Command::new(exe());
     cmd.arg("actuator")
         .arg(format!("--brain-service={NS}/{SERVICE}"))
         .arg("--kubeconfig")
-        .arg(&kubeconfig)
+        .arg(kubeconfig)
         // The harness's brain certificates name 127.0.0.1 and localhost, not splitproxy-brain.
         .args([
             "--brain-server-name",
@@ -204,9 +302,107 @@ async fn the_actuator_finds_its_brains_in_the_endpointslices() {
         .args(["--healthz-bind-address", "127.0.0.1:10256"])
         .args(["--metrics-bind-address", ACTUATOR_METRICS])
         .env("RUST_LOG", "info");
-    let actuator = ns
-        .spawn("actuator", cmd, &dir.path().join("actuator.log"))
-        .expect("actuator starts");
+    ns.spawn("actuator", cmd, log).expect("actuator starts")
+}
+
+/// `splitproxy_actuator_discovery_lists_total{result}` of the actuator in `ns`.
+fn lists(ns: &Netns, result: &str) -> f64 {
+    let (_, text) = http_get_in(ns, ACTUATOR_METRICS.parse().unwrap(), "/metrics").unwrap();
+    labelled(
+        &text,
+        "splitproxy_actuator_discovery_lists_total",
+        "result",
+        result,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_actuator_finds_its_brains_in_the_endpointslices() {
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane");
+    let client = cp.client();
+    let objects = chart_objects();
+    let rules = role_rules(&objects);
+    assert!(!rules.is_empty(), "the chart's actuator Role has no rule");
+    manifests::apply(&client, &with_rules(&objects, &rules), NS, false)
+        .await
+        .expect("the chart's objects");
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new("splitproxy-brains").unwrap();
+    let node_tls = pki
+        .write(dir.path(), "node", &pki.node_cert(NODE).unwrap())
+        .unwrap();
+    let op = pki
+        .write(dir.path(), "op", &pki.operator_cert("op").unwrap())
+        .unwrap();
+
+    let ns = Netns::create("discovery").expect("node namespace");
+    let (mut brain0, _fwd0) = start_brain(&cp, &pki, dir.path(), &ns, 0);
+    let (mut brain1, _fwd1) = start_brain(&cp, &pki, dir.path(), &ns, 1);
+    let brains = [brain0.grpc, brain1.grpc];
+    manifests::apply(&client, &brain_slice(&[0, 1]), NS, false)
+        .await
+        .expect("the brains' EndpointSlice");
+    // The API server, at the address the account's kubeconfig names, from the node.
+    let _api = forward_port(&ns, cp.addr(), cp.addr()).expect("API forwarder");
+    let kubeconfig = account_kubeconfig(&cp).await;
+
+    // ---- 0. without any one rule of the chart's Role, discovery fails ----
+    for (i, rule) in rules.iter().enumerate() {
+        let mut less = rules.clone();
+        less.remove(i);
+        apply_rbac(&cp, &objects, &less, rule, false).await;
+        let log = dir.path().join(format!("actuator-without-rule-{i}.log"));
+        let mut actuator = start_actuator(&ns, &kubeconfig, &node_tls, &log);
+        let started = Instant::now();
+        // The metrics server is up before the first list; lists are then paced 1, 2, 4 s apart.
+        while http_get_in(&ns, ACTUATOR_METRICS.parse().unwrap(), "/metrics").is_err()
+            || lists(&ns, "error") < 2.0
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "without {rule}: no failed list counted; actuator log:\n{}",
+                actuator.log_tail(30)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(lists(&ns, "ok"), 0.0, "without {rule}");
+        assert_eq!(
+            actuator_metric(&ns, "splitproxy_actuator_brains_known"),
+            0.0,
+            "without {rule}"
+        );
+        assert_eq!(
+            actuator_metric(&ns, "splitproxy_actuator_connected"),
+            0.0,
+            "without {rule}"
+        );
+        for brain in brains {
+            assert!(!serves_in_sync(brain, &op).await, "without {rule}");
+        }
+        let text = std::fs::read_to_string(&log).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.contains("finding the brains failed"))
+            .unwrap_or_else(|| panic!("without {rule}: no discovery error logged:\n{text}"));
+        assert!(
+            line.contains(&format!("listing the EndpointSlices of {NS}/{SERVICE}"))
+                && line.contains("forbidden")
+                && line.contains(&format!("system:serviceaccount:{NS}:{ACCOUNT}")),
+            "without {rule}: {line}"
+        );
+        eprintln!("without {rule}: {line}");
+        actuator.stop().expect("the actuator stops");
+    }
+    // The chart's Role as rendered.
+    apply_rbac(&cp, &objects, &rules, &rules[0], true).await;
+    let actuator = start_actuator(
+        &ns,
+        &kubeconfig,
+        &node_tls,
+        &dir.path().join("actuator.log"),
+    );
 
     // ---- 1. in sync on the brain the node prefers among those discovered ----
     let order = brain_order(NODE, &[uri(0), uri(1)]);
@@ -218,14 +414,9 @@ async fn the_actuator_finds_its_brains_in_the_endpointslices() {
         actuator_metric(&ns, "splitproxy_actuator_brains_known"),
         2.0
     );
-    let lists_ok = "splitproxy_actuator_discovery_lists_total{result=\"ok\"}";
-    let ok_lists = |ns: &Netns| {
-        let (_, text) = http_get_in(ns, ACTUATOR_METRICS.parse().unwrap(), "/metrics").unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(lists_ok)?.trim().parse::<f64>().ok())
-            .unwrap()
-    };
+    let ok_lists = |ns: &Netns| lists(ns, "ok");
     assert_eq!(ok_lists(&ns), 1.0, "one list at start, no watch");
+    assert_eq!(lists(&ns, "error"), 0.0);
 
     // ---- 2. the brain it uses killed and dropped from the slice: the other one ----
     let killed = Instant::now();
