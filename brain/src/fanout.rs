@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use splitproxy_proto::frames::{UpdateFrame, encode_node_part, encode_parts, encode_tail};
+use splitproxy_proto::frames::{
+    UpdateFrame, encode_node_part, encode_parts, encode_snapshot_parts, encode_tail,
+};
 use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Ack, update::Body};
 use tokio::sync::watch;
@@ -511,11 +513,14 @@ impl Fanout {
         let base_version = base.map(|b| b.version).unwrap_or(0);
         let key = (base_version, desired.version);
         let shared = self.body(&key, || {
-            let body = match base {
-                Some(b) => Body::Delta(b.shared.diff(&target.shared)),
-                None => Body::Snapshot(target.shared.to_ruleset()),
-            };
-            EncodedBody::new(encode_parts(body, self.part_elements))
+            EncodedBody::new(match base {
+                Some(b) => encode_parts(
+                    Body::Delta(b.shared.diff(&target.shared)),
+                    self.part_elements,
+                ),
+                // Written from the model's encoded elements, without decoding them.
+                None => encode_snapshot_parts(&target.shared, self.part_elements),
+            })
         });
         let news_after = match base {
             Some(b) => b.version,

@@ -63,16 +63,18 @@ fn split_tables(tables: Vec<Table>, max: usize) -> Vec<Vec<Table>> {
         let sets = std::mem::take(&mut t.sets);
         let mut shell = t.clone();
         for mut s in sets {
-            let elements = std::mem::take(&mut s.elements);
+            // Moved into their chunks, not cloned: a snapshot's elements are most of the
+            // brain's transient memory while it encodes one.
+            let mut elements = std::mem::take(&mut s.elements).into_iter().peekable();
             shell.sets.push(s.clone());
-            for chunk in elements.chunks(max) {
+            while elements.peek().is_some() {
                 chunks.push(vec![Table {
                     family: t.family,
                     name: t.name.clone(),
                     comment: t.comment.clone(),
                     chains: Vec::new(),
                     sets: vec![Set {
-                        elements: chunk.to_vec(),
+                        elements: elements.by_ref().take(max).collect(),
                         ..s.clone()
                     }],
                 }]);
