@@ -22,6 +22,7 @@ pub mod rules;
 pub mod run;
 pub mod server;
 pub mod service_view;
+pub mod sync_route;
 pub mod tls;
 pub mod tokens;
 pub mod trace;

@@ -16,6 +16,7 @@ use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
 use crate::pki::{self, Pki};
 use crate::server::DataplaneService;
+use crate::sync_route::SyncRoute;
 use crate::{http, listener, tls, tokens, watch};
 
 /// Runs the brain with `config` (see [`crate::config`] for how flags become one) until SIGTERM or
@@ -247,11 +248,16 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         })
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(
+        // Sync is answered by the brain's own encoder (shared parts are not copied per node),
+        // every other method by the generated server.
+        .add_service(SyncRoute::new(
+            service.clone(),
+            transport::MAX_REQUEST_MESSAGE,
+            transport::MAX_ENCODED_MESSAGE,
             DataplaneServer::new(service)
                 .max_decoding_message_size(transport::MAX_REQUEST_MESSAGE)
                 .max_encoding_message_size(transport::MAX_ENCODED_MESSAGE),
-        )
+        ))
         .serve_with_incoming_shutdown(
             listener::incoming(grpc, tls, config.surface.limits, metrics),
             async move {

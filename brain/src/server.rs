@@ -224,62 +224,7 @@ impl Dataplane for DataplaneService {
         &self,
         request: Request<Streaming<SyncRequest>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
-        let (info, roles) = self.caller(&request)?;
-        // Before reading anything: a caller that may never sync is refused at once.
-        if roles.nodes.is_none() {
-            let reason = if roles.operator {
-                Refusal::NotANode
-            } else {
-                Refusal::NoRole
-            };
-            return Err(self.refuse(reason, &info, "Sync"));
-        }
-        let peer = info.remote.to_string();
-        self.refuse_if_stale()?;
-        let mut inbound = request.into_inner();
-        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.next()).await {
-            Err(_) => return Err(self.refuse(Refusal::HelloTimeout, &info, "Sync")),
-            Ok(Some(Ok(SyncRequest {
-                msg: Some(sync_request::Msg::Hello(h)),
-            }))) => h,
-            Ok(Some(Err(e))) => return Err(e),
-            Ok(_) => return Err(self.refuse(Refusal::BadHello, &info, "Sync")),
-        };
-        if let Err(e) = check_hello(&hello) {
-            self.refuse(Refusal::BadHello, &info, "Sync");
-            return Err(Status::invalid_argument(e));
-        }
-        if let Err(reason) = roles.may_sync(&hello.node) {
-            return Err(self.refuse(reason, &info, &format!("Sync for node {}", hello.node)));
-        }
-        tracing::info!(node = %hello.node, %peer, version = %hello.version, applied = ?hello.applied.as_ref().map(|a| (a.brain_epoch, a.generation)), "node connected");
-        let (tx, rx) = mpsc::channel(1);
-        let fanout = self.fanout.clone();
-        let expires = info.identity.expires;
-        let expired = format!("{} expired", info.identity.credential);
-        let freshness = self.freshness.clone();
-        tokio::spawn(async move {
-            let node = hello.node.clone();
-            let (id, replaced) = fanout.connect(&node, &peer);
-            fanout.hello(&node, hello.applied.as_ref());
-            fanout.accept_encodings(&node, &hello.encodings);
-            let status_tx = tx.clone();
-            let ended = tokio::select! {
-                r = session(&fanout, &hello, inbound, tx) => r,
-                _ = replaced.notified() => Err(Status::aborted("a newer stream for this node replaced this one")),
-                _ = until(expires) => Err(Status::unauthenticated(expired)),
-                () = until_stale(&fanout) => Err(stale_status(&freshness)),
-                () = fanout.stopping() => Err(Status::unavailable("brain shutting down")),
-            };
-            if let Err(e) = ended {
-                tracing::info!(%node, session = id, error = %e, "node stream ended");
-                // Tell the node why, if it still listens (UNAVAILABLE when this brain went
-                // stale: the node moves to another replica, never silently stale). The channel
-                // holds at most one frame; a node that reads nothing is not waited for.
-                let _ = tokio::time::timeout(Duration::from_secs(1), status_tx.send(Err(e))).await;
-            }
-            fanout.disconnect(&node, id);
-        });
+        let rx = self.open_sync(request).await?;
         Ok(Response::new(Box::pin(updates(rx))))
     }
 
@@ -517,6 +462,75 @@ async fn until_stale(fanout: &Fanout) {
     let mut fresh = fanout.subscribe_fresh();
     if fresh.wait_for(|f| !*f).await.is_err() {
         std::future::pending::<()>().await;
+    }
+}
+
+impl DataplaneService {
+    /// Opens a node's `Sync` stream: the caller authorised, its Hello read and checked, its
+    /// session started. Returns where the session hands each update's frames (and, last, the
+    /// status it ended with), for tonic's encoder ([`Dataplane::sync`]) or the brain's own
+    /// ([`crate::sync_route`]).
+    pub(crate) async fn open_sync(
+        &self,
+        request: Request<Streaming<SyncRequest>>,
+    ) -> Result<mpsc::Receiver<Result<Vec<UpdateFrame>, Status>>, Status> {
+        let (info, roles) = self.caller(&request)?;
+        // Before reading anything: a caller that may never sync is refused at once.
+        if roles.nodes.is_none() {
+            let reason = if roles.operator {
+                Refusal::NotANode
+            } else {
+                Refusal::NoRole
+            };
+            return Err(self.refuse(reason, &info, "Sync"));
+        }
+        let peer = info.remote.to_string();
+        self.refuse_if_stale()?;
+        let mut inbound = request.into_inner();
+        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.next()).await {
+            Err(_) => return Err(self.refuse(Refusal::HelloTimeout, &info, "Sync")),
+            Ok(Some(Ok(SyncRequest {
+                msg: Some(sync_request::Msg::Hello(h)),
+            }))) => h,
+            Ok(Some(Err(e))) => return Err(e),
+            Ok(_) => return Err(self.refuse(Refusal::BadHello, &info, "Sync")),
+        };
+        if let Err(e) = check_hello(&hello) {
+            self.refuse(Refusal::BadHello, &info, "Sync");
+            return Err(Status::invalid_argument(e));
+        }
+        if let Err(reason) = roles.may_sync(&hello.node) {
+            return Err(self.refuse(reason, &info, &format!("Sync for node {}", hello.node)));
+        }
+        tracing::info!(node = %hello.node, %peer, version = %hello.version, applied = ?hello.applied.as_ref().map(|a| (a.brain_epoch, a.generation)), "node connected");
+        let (tx, rx) = mpsc::channel(1);
+        let fanout = self.fanout.clone();
+        let expires = info.identity.expires;
+        let expired = format!("{} expired", info.identity.credential);
+        let freshness = self.freshness.clone();
+        tokio::spawn(async move {
+            let node = hello.node.clone();
+            let (id, replaced) = fanout.connect(&node, &peer);
+            fanout.hello(&node, hello.applied.as_ref());
+            fanout.accept_encodings(&node, &hello.encodings);
+            let status_tx = tx.clone();
+            let ended = tokio::select! {
+                r = session(&fanout, &hello, inbound, tx) => r,
+                _ = replaced.notified() => Err(Status::aborted("a newer stream for this node replaced this one")),
+                _ = until(expires) => Err(Status::unauthenticated(expired)),
+                () = until_stale(&fanout) => Err(stale_status(&freshness)),
+                () = fanout.stopping() => Err(Status::unavailable("brain shutting down")),
+            };
+            if let Err(e) = ended {
+                tracing::info!(%node, session = id, error = %e, "node stream ended");
+                // Tell the node why, if it still listens (UNAVAILABLE when this brain went
+                // stale: the node moves to another replica, never silently stale). The channel
+                // holds at most one frame; a node that reads nothing is not waited for.
+                let _ = tokio::time::timeout(Duration::from_secs(1), status_tx.send(Err(e))).await;
+            }
+            fanout.disconnect(&node, id);
+        });
+        Ok(rx)
     }
 }
 
