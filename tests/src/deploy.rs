@@ -147,7 +147,18 @@ impl Brain {
             tuning: opts.tuning.clone(),
             surface: opts.surface.clone(),
         };
-        let mut cmd = Command::new(exe);
+        // A profiler to run the brain under (`heaptrack`, `perf record -g --`): the words of
+        // SPLITPROXY_BRAIN_WRAPPER go before the brain's command line.
+        let wrapper = std::env::var("SPLITPROXY_BRAIN_WRAPPER").unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        let mut cmd = match words.next() {
+            Some(first) => {
+                let mut c = Command::new(first);
+                c.args(words).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
         cmd.arg("brain")
             .args(config.to_args())
             .args(&opts.extra_args)
