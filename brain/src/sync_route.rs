@@ -7,12 +7,12 @@
 //! 64 KiB a stream once a snapshot went through: hundreds of MiB at thousands of nodes).
 //!
 //! [`SyncRoute`] takes `/splitproxy.v1.Dataplane/Sync` before the generated server does and
-//! answers it with [`FrameBody`]: the gRPC length prefix and each frame's own fields in a small
-//! buffer made for that update, and each large shared part as the very `Bytes` every other node
-//! is sent, handed to HTTP/2 as its own data chunk. The bytes on the wire are the same as
-//! tonic's (a unit test compares them). Authorisation, the Hello and the session are the same
-//! code as the generated path ([`DataplaneService::open_sync`]); every other method goes to
-//! the generated server.
+//! answers it with [`FrameBody`]: the gRPC length prefixes, the frames' own fields and pieces
+//! under [`CHUNK`] copied into buffers of up to that size made for the update, and each piece
+//! of that size or more as the very `Bytes` every other node is sent. The bytes on the wire
+//! are the same as tonic's (a unit test compares them). Authorisation, the Hello and the
+//! session are the same code as the generated path ([`DataplaneService::open_sync`]); every
+//! other method goes to the generated server.
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -13,7 +13,7 @@ use prost::Message;
 use prost::encoding::{DecodeContext, WireType};
 
 use crate::model::Model;
-use crate::v1::{Ruleset, Set, Table, Update, update::Body};
+use crate::v1::{Set, Table, Update, update::Body};
 
 /// Wire-identical to [`Update`]; only ever encoded.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -55,22 +55,9 @@ pub fn encode_parts(body: Body, max_elements: usize) -> Vec<Bytes> {
 /// 100 MiB at the moment of its peak (a cold start) and the CPU of both.
 pub fn encode_snapshot_parts(model: &Model, max_elements: usize) -> Vec<Bytes> {
     let max = max_elements.max(1);
-    let shells = Ruleset {
-        tables: model
-            .tables
-            .iter()
-            .map(|((family, name), tm)| Table {
-                family: *family as i32,
-                name: name.clone(),
-                comment: tm.comment.clone(),
-                chains: tm.chains.values().map(|c| (**c).clone()).collect(),
-                sets: tm.sets.values().map(|sm| (*sm.def).clone()).collect(),
-            })
-            .collect(),
-    };
     let mut parts = vec![Bytes::from(
         Update {
-            body: Some(Body::Snapshot(shells)),
+            body: Some(Body::Snapshot(model.shells())),
             more: true,
             ..Default::default()
         }
@@ -250,7 +237,7 @@ impl Message for UpdateFrame {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::v1::{Chain, Datum, Element, Family, RulesetDelta, datum::Value};
+    use crate::v1::{Chain, Datum, Element, Family, Ruleset, RulesetDelta, datum::Value};
 
     /// Two tables of different families; sets with and without elements, one with the fields
     /// that come after `elements` (conntrack, guards), elements with a comment or a verdict.

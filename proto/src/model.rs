@@ -166,6 +166,18 @@ impl Model {
 
     /// The canonical ruleset: tables, chains, sets and elements in key order.
     pub fn to_ruleset(&self) -> Ruleset {
+        self.ruleset_with(|sm| Set {
+            elements: sm.decoded().collect(),
+            ..(*sm.def).clone()
+        })
+    }
+
+    /// The canonical ruleset without any set's elements: tables, chains and set definitions.
+    pub fn shells(&self) -> Ruleset {
+        self.ruleset_with(|sm| (*sm.def).clone())
+    }
+
+    fn ruleset_with(&self, set: impl Fn(&SetModel) -> Set) -> Ruleset {
         Ruleset {
             tables: self
                 .tables
@@ -175,14 +187,7 @@ impl Model {
                     name: name.clone(),
                     comment: tm.comment.clone(),
                     chains: tm.chains.values().map(|c| (**c).clone()).collect(),
-                    sets: tm
-                        .sets
-                        .values()
-                        .map(|sm| Set {
-                            elements: sm.decoded().collect(),
-                            ..(*sm.def).clone()
-                        })
-                        .collect(),
+                    sets: tm.sets.values().map(&set).collect(),
                 })
                 .collect(),
         }
