@@ -776,6 +776,16 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
         }
         let _ = writeln!(
             w,
+            "| brain: trigger time → publication | {} | | |",
+            hist_cell(sp.publish_latency.as_ref())
+        );
+        let _ = writeln!(
+            w,
+            "| brain: watch event → publication (pacing, recompute) | {} | | |",
+            hist_cell(sp.change_queue.as_ref())
+        );
+        let _ = writeln!(
+            w,
             "| brain fan-out (publication → last ack) | {} | | |",
             hist_cell(sp.fanout.as_ref())
         );

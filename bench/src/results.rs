@@ -159,6 +159,14 @@ pub struct SplitproxyPhase {
     pub nodes_total: usize,
     pub fanout: Option<HistSummary>,
     pub fanout_histogram: Option<Histogram>,
+    /// Each change's trigger time to the brain's publication carrying it (the API server's
+    /// write and watch, the pacing, the recompute): NPL before any node is sent anything.
+    #[serde(default)]
+    pub publish_latency: Option<HistSummary>,
+    /// The brain's part of it: each change's watch event to the publication carrying it (the
+    /// pacing of publications and the recompute).
+    #[serde(default)]
+    pub change_queue: Option<HistSummary>,
     pub compute: Option<HistSummary>,
     pub publications: Option<f64>,
     pub updates_sent: Option<f64>,

@@ -93,6 +93,15 @@ fn node_part(own: Body, digest: Vec<u8>, base_digest: Vec<u8>) -> Bytes {
     Bytes::from(joined)
 }
 
+/// `node`'s entry, made if new: the per-update paths (send, ack) look a node up thousands of
+/// times a second and allocate its name only the first time.
+fn node_state<'a>(nodes: &'a mut HashMap<String, NodeState>, node: &str) -> &'a mut NodeState {
+    if !nodes.contains_key(node) {
+        nodes.insert(node.to_owned(), NodeState::default());
+    }
+    nodes.get_mut(node).expect("inserted above")
+}
+
 impl Publication {
     /// What `node` should hold at this version; `None` before the first publication.
     pub fn held(&self, node: &str) -> Option<Held> {
@@ -334,6 +343,14 @@ impl Fanout {
             return None;
         }
         let version = current.version + 1;
+        let now = std::time::SystemTime::now();
+        for t in &trigger_times {
+            let at = std::time::UNIX_EPOCH
+                + Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32);
+            // A trigger stamped by a clock ahead of this one counts as no wait.
+            self.metrics
+                .observe_publish_latency(now.duration_since(at).unwrap_or_default());
+        }
         if trace.is_some() {
             self.newest_traced.store(version, Ordering::Relaxed);
         }
@@ -533,7 +550,7 @@ impl Fanout {
         };
         let (generation, base_generation, base_digest, zstd) = {
             let mut nodes = self.nodes.lock().ok()?;
-            let st = nodes.entry(node.to_string()).or_default();
+            let st = node_state(&mut nodes, node);
             st.generation += 1;
             let (base_generation, base_digest) = match base {
                 None => (0, Vec::new()),
@@ -741,7 +758,7 @@ impl Fanout {
         let held = self.history.find(node, &applied.digest)?;
         // What the node holds now; not acked under a generation of this brain (0), so its next
         // delta names its base by digest.
-        let st = nodes.entry(node.to_string()).or_default();
+        let st = node_state(&mut nodes, node);
         st.acked = Some(held.clone());
         st.acked_generation = 0;
         Some((held, Resumption::ByContent))
@@ -761,7 +778,7 @@ impl Fanout {
         let Ok(mut nodes) = self.nodes.lock() else {
             return;
         };
-        let st = nodes.entry(node.to_string()).or_default();
+        let st = node_state(&mut nodes, node);
         st.drifts += 1;
         st.last_drift = Some(drift);
     }
@@ -777,7 +794,7 @@ impl Fanout {
             let Ok(mut nodes) = self.nodes.lock() else {
                 return false;
             };
-            let st = nodes.entry(node.to_string()).or_default();
+            let st = node_state(&mut nodes, node);
             st.last_apply = apply;
             if ack.ok {
                 st.acked_generation = ack.generation;
@@ -857,7 +874,7 @@ impl Fanout {
         let end = Arc::new(tokio::sync::Notify::new());
         let version = self.publication().version;
         if let Ok(mut nodes) = self.nodes.lock() {
-            let st = nodes.entry(node.to_string()).or_default();
+            let st = node_state(&mut nodes, node);
             if let Some(older) = st.end_session.replace(end.clone()) {
                 older.notify_one();
             }
@@ -934,7 +951,7 @@ impl Fanout {
     /// about to be sent, the update carries no trigger times (see [`Fanout::next_update`]).
     pub fn hello(&self, node: &str, applied: Option<&splitproxy_proto::v1::Applied>) {
         if let Ok(mut nodes) = self.nodes.lock() {
-            let st = nodes.entry(node.to_string()).or_default();
+            let st = node_state(&mut nodes, node);
             st.hello_digest = applied.map(|a| a.digest.clone()).unwrap_or_default();
         }
     }
@@ -943,7 +960,7 @@ impl Fanout {
     /// to it compressed when it reads zstd.
     pub fn accept_encodings(&self, node: &str, encodings: &[String]) {
         if let Ok(mut nodes) = self.nodes.lock() {
-            let st = nodes.entry(node.to_string()).or_default();
+            let st = node_state(&mut nodes, node);
             st.zstd = encodings
                 .iter()
                 .any(|e| e == splitproxy_proto::compress::ZSTD);

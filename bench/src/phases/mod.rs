@@ -22,6 +22,8 @@ use crate::rig::{Rig, all_in_sync};
 use crate::workload::{Workload, Writer};
 
 pub const FANOUT: &str = "splitproxy_brain_fanout_duration_seconds";
+pub const PUBLISH_LATENCY: &str = "splitproxy_brain_publish_latency_seconds";
+pub const CHANGE_QUEUE: &str = "splitproxy_brain_change_queue_seconds";
 pub const COMPUTE: &str = "splitproxy_brain_compute_duration_seconds";
 pub const PUBLICATIONS: &str = "splitproxy_brain_publications_total";
 pub const BYTES_SENT: &str = "splitproxy_brain_update_bytes_sent_total";
@@ -230,6 +232,8 @@ impl Bench {
             sp.fanout = fanout.as_ref().map(Histogram::summary);
             sp.fanout_histogram = fanout;
             sp.compute = hist(COMPUTE).map(|h| h.summary());
+            sp.publish_latency = hist(PUBLISH_LATENCY).map(|h| h.summary());
+            sp.change_queue = hist(CHANGE_QUEUE).map(|h| h.summary());
             sp.updates_sent = counter(UPDATES_SENT);
             sp.bytes_sent = counter(BYTES_SENT);
             sp.bytes_per_publication = match (sp.bytes_sent, sp.publications) {
@@ -435,7 +439,7 @@ fn print_phase(p: &Phase) {
     let sp = &p.splitproxy;
     println!(
         "[bench]   {}: {} changes in {:.1} s; splitproxy NPL p50 {} p99 {} max {} over {}/{} nodes; \
-         converged {}; fan-out p99 {}; kernel apply (real, mean) {}",
+         converged {}; trigger to publication p50 {} p99 {} (in the brain p50 {} p99 {}); fan-out p99 {}; kernel apply (real, mean) {}",
         p.name,
         p.changes,
         p.seconds,
@@ -445,6 +449,10 @@ fn print_phase(p: &Phase) {
         sp.nodes_with_samples,
         sp.nodes_total,
         ms(p.converged_seconds),
+        ms(sp.publish_latency.as_ref().and_then(|f| f.p50)),
+        ms(sp.publish_latency.as_ref().and_then(|f| f.p99)),
+        ms(sp.change_queue.as_ref().and_then(|f| f.p50)),
+        ms(sp.change_queue.as_ref().and_then(|f| f.p99)),
         ms(sp.fanout.as_ref().and_then(|f| f.p99)),
         ms(mean_of(sp.real_apply.values().filter_map(|h| h.mean))),
     );

@@ -226,6 +226,49 @@ fn a_busy_node_gets_the_latest_state_with_every_trigger_time() {
     );
 }
 
+/// Each change's wait from its trigger time to the publication carrying it is observed once,
+/// in its bucket; a trigger stamped by a clock ahead of the brain's counts as no wait.
+#[test]
+fn a_publication_observes_each_changes_wait_since_its_trigger_time() {
+    let f = fanout();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970");
+    let ago = |ms: u64| {
+        let t = now - std::time::Duration::from_millis(ms);
+        Timestamp {
+            seconds: t.as_secs() as i64,
+            nanos: t.subsec_nanos() as i32,
+        }
+    };
+    let ahead = Timestamp {
+        seconds: now.as_secs() as i64 + 60,
+        nanos: 0,
+    };
+    f.publish(
+        model([1]),
+        Overlays::new(),
+        vec![ago(120), ago(350), ahead],
+        vec!["a".into(), "b".into(), "c".into()],
+    );
+    let text = f.metrics.render(0);
+    let bucket = |le: &str| {
+        let line = format!("splitproxy_brain_publish_latency_seconds_bucket{{le=\"{le}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        bucket("0.0001").as_deref(),
+        Some("1"),
+        "the trigger from ahead: no wait"
+    );
+    assert_eq!(bucket("0.1").as_deref(), Some("1"));
+    assert_eq!(bucket("0.15").as_deref(), Some("2"), "120 ms");
+    assert_eq!(bucket("0.3").as_deref(), Some("2"));
+    assert_eq!(bucket("0.4").as_deref(), Some("3"), "350 ms");
+}
+
 // ---- acks ----
 
 /// An ack records the generation and what the node holds; a publication's fan-out is timed

@@ -72,6 +72,9 @@ pub struct Indexer {
     /// Trigger times and names of the objects changed since the last publication.
     trigger_times: Vec<prost_types::Timestamp>,
     objects: Vec<String>,
+    /// When the brain saw each of those changes: the publication observes how long each waited
+    /// in the brain (`splitproxy_brain_change_queue_seconds`).
+    seen: Vec<Instant>,
     /// The sampled traces of those changes (crate::trace), at most [`trace::MAX_LINKS`]: the
     /// next publication continues them.
     traces: Vec<opentelemetry::trace::SpanContext>,
@@ -107,6 +110,7 @@ impl Indexer {
             rebuild: false,
             trigger_times: Vec::new(),
             objects: Vec::new(),
+            seen: Vec::new(),
             traces: Vec::new(),
         }
     }
@@ -227,6 +231,7 @@ impl Indexer {
 
     fn changed(&mut self, object: String, trigger: Option<k8s_openapi::jiff::Timestamp>) {
         self.objects.push(object);
+        self.seen.push(Instant::now());
         let t = trigger.unwrap_or_else(k8s_openapi::jiff::Timestamp::now);
         self.trigger_times.push(prost_types::Timestamp {
             seconds: t.as_second(),
@@ -418,6 +423,11 @@ impl Indexer {
         self.dirty_nodes.clear();
         self.rebuild = false;
         let trace = span.as_ref().and_then(splitproxy_proto::telemetry::sampled);
+        // Each change's wait ends here, as its trigger-time wait does in publish_traced.
+        let now = Instant::now();
+        for seen in self.seen.drain(..) {
+            self.metrics.observe_change_queue(now - seen);
+        }
         let version = fanout.publish_traced(
             model,
             self.published_overlays.clone(),
