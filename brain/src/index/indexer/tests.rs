@@ -580,3 +580,34 @@ fn a_relist_that_removes_a_node_local_endpoint_gives_a_delta_the_node_can_apply(
     let (reached, wanted) = apply_next(&r, "n1", &n1);
     assert_eq!(reached, wanted, "n1 gets its endpoint back");
 }
+
+/// Each change's wait in the brain, from its watch event to the publication carrying it, is
+/// observed once at that publication; the initial lists are not changes.
+#[test]
+fn a_publication_observes_each_changes_wait_in_the_brain() {
+    let mut r = Rig::synced();
+    let count = |r: &Rig, suffix: &str| {
+        let prefix = format!("splitproxy_brain_change_queue_seconds_{suffix} ");
+        r.fanout
+            .metrics
+            .render(0)
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()).map(str::to_owned))
+    };
+    assert_eq!(count(&r, "count").as_deref(), Some("0"), "the lists");
+    r.indexer
+        .handle(svc(Event::Apply(service("c", "10.96.0.30"))));
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    r.indexer
+        .handle(svc(Event::Apply(service("d", "10.96.0.40"))));
+    assert!(r.indexer.publish(&r.fanout));
+    assert_eq!(count(&r, "count").as_deref(), Some("2"));
+    let under_25ms = count(&r, "bucket{le=\"0.025\"}");
+    assert_eq!(
+        under_25ms.as_deref(),
+        Some("1"),
+        "c waited 30 ms, d did not"
+    );
+    assert!(!r.indexer.publish(&r.fanout), "nothing left to publish");
+    assert_eq!(count(&r, "count").as_deref(), Some("2"), "observed once");
+}
