@@ -423,11 +423,10 @@ impl Indexer {
         self.dirty_nodes.clear();
         self.rebuild = false;
         let trace = span.as_ref().and_then(splitproxy_proto::telemetry::sampled);
-        // Each change's wait ends here, as its trigger-time wait does in publish_traced.
+        // Each change's wait ends here, as its trigger-time wait does in publish_traced, and
+        // counts only when a publication carries it (as there).
         let now = Instant::now();
-        for seen in self.seen.drain(..) {
-            self.metrics.observe_change_queue(now - seen);
-        }
+        let seen = std::mem::take(&mut self.seen);
         let version = fanout.publish_traced(
             model,
             self.published_overlays.clone(),
@@ -436,6 +435,11 @@ impl Indexer {
             trace,
         );
         drop(entered);
+        if version.is_some() {
+            for seen in seen {
+                self.metrics.observe_change_queue(now - seen);
+            }
+        }
         if let (Some(span), Some(v)) = (&span, version) {
             span.record("splitproxy.version", v);
         }

@@ -582,7 +582,8 @@ fn a_relist_that_removes_a_node_local_endpoint_gives_a_delta_the_node_can_apply(
 }
 
 /// Each change's wait in the brain, from its watch event to the publication carrying it, is
-/// observed once at that publication; the initial lists are not changes.
+/// observed once at that publication; the initial lists are not changes, and a change that
+/// publishes nothing is not counted.
 #[test]
 fn a_publication_observes_each_changes_wait_in_the_brain() {
     let mut r = Rig::synced();
@@ -610,4 +611,12 @@ fn a_publication_observes_each_changes_wait_in_the_brain() {
     );
     assert!(!r.indexer.publish(&r.fanout), "nothing left to publish");
     assert_eq!(count(&r, "count").as_deref(), Some("2"), "observed once");
+    let v = r.version();
+    r.event(nd(Event::Apply(node("n1", "192.168.0.1"))));
+    assert_eq!(r.version(), v, "an unchanged Node publishes nothing");
+    assert_eq!(
+        count(&r, "count").as_deref(),
+        Some("2"),
+        "and waits for nothing"
+    );
 }
