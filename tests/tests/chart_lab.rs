@@ -652,15 +652,17 @@ fn metric_names(text: &str) -> Vec<String> {
     let mut names = Vec::new();
     let bytes = text.as_bytes();
     let mut i = 0;
+    // Byte by byte: the texts are UTF-8 (a legend may say "→"), the names ASCII.
     while i < bytes.len() {
-        let rest = &text[i..];
-        let starts = (rest.starts_with("splitproxy_") || rest.starts_with("kubeproxy_"))
+        let rest = &bytes[i..];
+        let starts = (rest.starts_with(b"splitproxy_") || rest.starts_with(b"kubeproxy_"))
             && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
         if starts {
             let len = rest
-                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                .iter()
+                .position(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'_'))
                 .unwrap_or(rest.len());
-            names.push(rest[..len].to_string());
+            names.push(String::from_utf8_lossy(&rest[..len]).into_owned());
             i += len;
         } else {
             i += 1;
