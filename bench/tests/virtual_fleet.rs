@@ -42,7 +42,8 @@ async fn virtual_nodes_converge_and_share_encoded_updates() {
         server_name: Some("127.0.0.1".into()),
         ca_pem: lab.pki.ca_pem().as_bytes().to_vec(),
         nodes,
-    });
+    })
+    .expect("the fleet's CA parses");
     // Every node connected and holding one and the same state, other than `not`.
     let converged = |not: Option<&Vec<u8>>| {
         let s = fleet.status();

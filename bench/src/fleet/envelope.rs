@@ -46,15 +46,15 @@ impl Envelope {
 /// into the envelope itself.
 fn inflated(compressed: &Bytes) -> Result<Bytes, String> {
     use std::collections::HashMap;
-    use std::hash::{Hash, Hasher};
+    use std::hash::BuildHasher;
     use std::sync::{Mutex, OnceLock};
     /// Distinct parts kept; more are dropped all at once (they are the older states').
     const KEEP: usize = 512;
     static CACHE: OnceLock<Mutex<HashMap<u64, Bytes>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    compressed.hash(&mut h);
-    let key = h.finish();
+    // foldhash rather than SipHash: every node hashes its own copy (a cold start's snapshot is
+    // hundreds of kilobytes compressed), see `shared::shared_key`.
+    let key = foldhash::quality::FixedState::with_seed(0x5eed).hash_one(compressed);
     if let Some(b) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
         return Ok(b);
     }
@@ -103,6 +103,10 @@ impl Message for Envelope {
             6 => {
                 let mut t = prost_types::Timestamp::default();
                 message::merge(wire_type, &mut t, buf, ctx)?;
+                if self.trigger_times.capacity() == 0 {
+                    // Under churn an update carries dozens: fewer reallocations.
+                    self.trigger_times.reserve(16);
+                }
                 self.trigger_times.push(
                     SystemTime::UNIX_EPOCH
                         + Duration::new(t.seconds.max(0) as u64, t.nanos.max(0) as u32),

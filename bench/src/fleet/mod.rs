@@ -3,11 +3,13 @@
 //! machine. Benchmark code, not the production actuator's: it uses nothing of the actuator, only
 //! the protocol and the model from `splitproxy_proto`.
 //!
-//! [`nodes`] runs the streams, `shared` holds the models nodes at the same state share,
-//! `envelope` reads an update without decoding its bodies, and [`npl`] turns the fleet's
-//! samples into network-programming latencies. This module is the bench's only way to the
-//! fleet: it issues the nodes' certificates and runs the fleet on a runtime of its own.
+//! [`nodes`] runs the streams, `grpc` is one node's `Sync` call on its own task, `shared` holds
+//! the models nodes at the same state share, `envelope` reads an update without decoding its
+//! bodies, and [`npl`] turns the fleet's samples into network-programming latencies. This
+//! module is the bench's only way to the fleet: it issues the nodes' certificates and runs the
+//! fleet on a runtime of its own.
 mod envelope;
+mod grpc;
 pub mod nodes;
 pub mod npl;
 mod shared;
@@ -83,7 +85,7 @@ impl Fleet {
                 server_name: Some("127.0.0.1".to_string()),
                 ca_pem: ca_pem.as_bytes().to_vec(),
                 nodes,
-            })
+            })?
         };
         Ok(Fleet {
             inner,

@@ -11,12 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use splitproxy_proto::v1::{self, Ack, Hello, SyncRequest, sync_request};
-use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 use super::envelope::Envelope;
+use super::grpc::{self, SyncCall};
 use super::shared::{Held, SharedModels};
 
 /// One virtual node: its name and the client certificate that names it.
@@ -53,7 +50,9 @@ pub struct FleetStatus {
 /// One applied update of one node: when, and which changes (trigger times) it carried.
 #[derive(Debug, Clone)]
 pub struct Sample {
-    pub node: String,
+    /// Shared with the fleet's own copy of the name: a sample per node and update must not
+    /// allocate one.
+    pub node: Arc<str>,
     pub generation: u64,
     pub applied_at: SystemTime,
     pub trigger_times: Vec<SystemTime>,
@@ -76,9 +75,11 @@ pub struct NodeStats {
     pub last_snapshot_bytes: u64,
 }
 
-/// [`NodeStats`] as the streams update them.
+/// [`NodeStats`] as the streams update them, and the digest the node last applied.
 #[derive(Default)]
 struct NodeCounters {
+    /// Its own lock, so nodes do not contend for one map; the buffer is reused.
+    applied: Mutex<Option<Vec<u8>>>,
     replica: AtomicUsize,
     streams: AtomicU64,
     bytes: AtomicU64,
@@ -90,12 +91,11 @@ struct NodeCounters {
 /// Every virtual node's stream and what they applied.
 pub struct VirtualFleet {
     nodes: usize,
-    names: Vec<String>,
+    names: Vec<Arc<str>>,
     counters: Vec<NodeCounters>,
     connected: AtomicUsize,
     updates: AtomicU64,
     bytes: AtomicU64,
-    applied: Mutex<HashMap<String, Vec<u8>>>,
     samples: Mutex<Vec<Sample>>,
     shared: SharedModels,
     stop: AtomicBool,
@@ -104,40 +104,52 @@ pub struct VirtualFleet {
 
 impl VirtualFleet {
     /// Spawns one stream per node on the current tokio runtime.
-    pub fn start(cfg: FleetConfig) -> Arc<VirtualFleet> {
+    pub fn start(cfg: FleetConfig) -> anyhow::Result<Arc<VirtualFleet>> {
         let fleet = Arc::new(VirtualFleet {
             nodes: cfg.nodes.len(),
-            names: cfg.nodes.iter().map(|n| n.name.clone()).collect(),
+            names: cfg
+                .nodes
+                .iter()
+                .map(|n| Arc::from(n.name.as_str()))
+                .collect(),
             counters: cfg.nodes.iter().map(|_| NodeCounters::default()).collect(),
             connected: AtomicUsize::new(0),
             updates: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
-            applied: Mutex::new(HashMap::new()),
             samples: Mutex::new(Vec::new()),
             shared: SharedModels::default(),
             stop: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
         });
-        let shared = Arc::new((cfg.brains, cfg.server_name, cfg.ca_pem));
+        let roots = grpc::roots(&cfg.ca_pem)?;
+        let shared = Arc::new((cfg.brains, cfg.server_name, roots));
         let mut tasks = Vec::with_capacity(cfg.nodes.len());
         for (index, node) in cfg.nodes.into_iter().enumerate() {
             let (fleet, shared) = (fleet.clone(), shared.clone());
             tasks.push(tokio::spawn(async move {
                 fleet
-                    .run_node(index, node, &shared.0, shared.1.as_deref(), &shared.2)
+                    .run_node(
+                        index,
+                        node,
+                        &shared.0,
+                        shared.1.as_deref(),
+                        shared.2.clone(),
+                    )
                     .await
             }));
         }
         if let Ok(mut t) = fleet.tasks.lock() {
             *t = tasks;
         }
-        fleet
+        Ok(fleet)
     }
 
     pub fn status(&self) -> FleetStatus {
         let mut digests = HashMap::new();
-        if let Ok(a) = self.applied.lock() {
-            for d in a.values() {
+        for c in &self.counters {
+            if let Ok(a) = c.applied.lock()
+                && let Some(d) = a.as_ref()
+            {
                 *digests.entry(d.clone()).or_default() += 1;
             }
         }
@@ -156,7 +168,7 @@ impl VirtualFleet {
             .iter()
             .zip(&self.counters)
             .map(|(name, c)| NodeStats {
-                name: name.clone(),
+                name: name.to_string(),
                 replica: c.replica.load(Ordering::Relaxed),
                 streams: c.streams.load(Ordering::Relaxed),
                 bytes: c.bytes.load(Ordering::Relaxed),
@@ -197,8 +209,15 @@ impl VirtualFleet {
         node: FleetNode,
         brains: &[String],
         server_name: Option<&str>,
-        ca: &[u8],
+        roots: Arc<rustls::RootCertStore>,
     ) {
+        let tls = match grpc::tls_config(roots, &node.cert_pem, &node.key_pem) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(node = %node.name, error = %e, "virtual node has no usable identity");
+                return;
+            }
+        };
         let mut held: Option<Held> = None;
         let mut pacing = splitproxy_actuator::client::Pacing::default();
         let mut replica = index % brains.len().max(1);
@@ -217,7 +236,7 @@ impl VirtualFleet {
                     &node,
                     brain,
                     server_name,
-                    ca,
+                    tls.clone(),
                     &mut held,
                     &mut healthy,
                 )
@@ -244,74 +263,59 @@ impl VirtualFleet {
         node: &FleetNode,
         brain: &str,
         server_name: Option<&str>,
-        ca: &[u8],
+        tls: Arc<rustls::ClientConfig>,
         held: &mut Option<Held>,
         healthy: &mut bool,
     ) -> anyhow::Result<()> {
-        let uri: tonic::transport::Uri = brain.parse()?;
-        let domain = server_name
-            .map(str::to_string)
-            .or_else(|| uri.host().map(str::to_string))
-            .unwrap_or_default();
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(ca))
-            .identity(Identity::from_pem(&node.cert_pem, &node.key_pem))
-            .domain_name(domain);
-        let channel = Channel::builder(uri)
-            .tls_config(tls)?
-            .connect_timeout(Duration::from_secs(30))
-            .connect()
-            .await?;
-        let mut grpc = tonic::client::Grpc::new(channel)
-            .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE);
-        grpc.ready().await?;
-        let (tx, rx) = mpsc::channel(4);
+        let addr = brain.trim_start_matches("https://");
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
         let applied = held.as_ref().map(|h| v1::Applied {
             brain_epoch: h.epoch,
             generation: h.generation,
             digest: h.digest(),
         });
-        tx.send(SyncRequest {
+        let hello = SyncRequest {
             msg: Some(sync_request::Msg::Hello(Hello {
                 node: node.name.clone(),
                 applied,
                 version: "virtual".into(),
                 encodings: vec![splitproxy_proto::compress::ZSTD.into()],
             })),
-        })
+        };
+        let mut call = SyncCall::open(
+            addr,
+            server_name.unwrap_or(host),
+            tls,
+            hello,
+            splitproxy_proto::transport::MAX_UPDATE_MESSAGE,
+            Duration::from_secs(30),
+        )
         .await?;
-        let codec = tonic_prost::ProstCodec::<SyncRequest, Envelope>::default();
-        let path = http::uri::PathAndQuery::from_static("/splitproxy.v1.Dataplane/Sync");
-        let mut updates = grpc
-            .streaming(tonic::Request::new(ReceiverStream::new(rx)), path, codec)
-            .await?
-            .into_inner();
         self.connected.fetch_add(1, Ordering::Relaxed);
         self.counters[index].streams.fetch_add(1, Ordering::Relaxed);
         let opened = Instant::now();
         let result = async {
             let mut pending: Option<Envelope> = None;
-            while let Some(env) = updates.next().await {
+            while let Some(env) = call.next().await? {
                 *healthy = true;
-                let env = match (pending.take(), env?) {
-                    (Some(mut first), next) if first.generation == next.generation => {
-                        first.absorb(next);
+                let env = match pending.take() {
+                    Some(mut first) if first.generation == env.generation => {
+                        first.absorb(env);
                         first
                     }
-                    (_, next) => next,
+                    _ => env,
                 };
                 if env.more {
                     pending = Some(env);
                     continue;
                 }
                 self.count(index, &env);
-                let ack = self.apply(&node.name, env, held);
-                tx.send(SyncRequest {
+                let ack = self.apply(index, env, held);
+                call.send(&SyncRequest {
                     msg: Some(sync_request::Msg::Ack(ack)),
-                })
-                .await?;
+                })?;
             }
-            Ok(())
+            anyhow::Ok(())
         }
         .await;
         self.connected.fetch_sub(1, Ordering::Relaxed);
@@ -334,8 +338,8 @@ impl VirtualFleet {
         }
     }
 
-    /// Applies one update to the node's (shared) model and builds its ack.
-    fn apply(&self, node: &str, env: Envelope, held: &mut Option<Held>) -> Ack {
+    /// Applies one update to node `index`'s (shared) model and builds its ack.
+    fn apply(&self, index: usize, mut env: Envelope, held: &mut Option<Held>) -> Ack {
         let start = Instant::now();
         self.bytes.fetch_add(env.wire_len as u64, Ordering::Relaxed);
         let result = self.shared.next_state(&env, held.as_ref());
@@ -344,14 +348,16 @@ impl VirtualFleet {
             Ok(next) => {
                 *held = Some(next);
                 self.updates.fetch_add(1, Ordering::Relaxed);
-                if let Ok(mut a) = self.applied.lock() {
-                    a.insert(node.to_string(), env.digest.clone());
+                if let Ok(mut a) = self.counters[index].applied.lock() {
+                    let d = a.get_or_insert_with(Vec::new);
+                    d.clear();
+                    d.extend_from_slice(&env.digest);
                 }
                 let sample = Sample {
-                    node: node.to_string(),
+                    node: self.names[index].clone(),
                     generation: env.generation,
                     applied_at: SystemTime::now(),
-                    trigger_times: env.trigger_times.clone(),
+                    trigger_times: std::mem::take(&mut env.trigger_times),
                     decode_and_apply: took,
                 };
                 if let Ok(mut s) = self.samples.lock() {

@@ -1,6 +1,7 @@
 //! Network-programming latency as the virtual nodes see it: from each change's trigger time to
 //! the moment a node applied the update carrying it.
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use super::Sample;
@@ -14,11 +15,11 @@ pub struct NplCollector {
     /// Time to decode and apply one update into the in-memory model.
     pub apply_seconds: LatencyHist,
     /// Samples per node.
-    pub per_node: HashMap<String, u64>,
+    pub per_node: HashMap<Arc<str>, u64>,
     /// The newest trigger time each node has applied.
-    pub latest: HashMap<String, SystemTime>,
+    pub latest: HashMap<Arc<str>, SystemTime>,
     /// Nodes followed apart (the failover phase's moved nodes), and their latencies.
-    pub subset: HashSet<String>,
+    pub subset: HashSet<Arc<str>>,
     pub npl_subset: LatencyHist,
 }
 

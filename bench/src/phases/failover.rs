@@ -80,7 +80,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
         moved.len(),
         out.moved_real.len()
     );
-    run.collector.subset = moved.iter().cloned().collect();
+    run.collector.subset = moved.iter().map(|n| n.as_str().into()).collect();
 
     let mut churner = Churner::new(b);
     let mut interval = tokio::time::interval(Duration::from_secs(1));
