@@ -2,6 +2,7 @@
 //! stream snapshots and deltas to the actuators over mTLS gRPC.
 #![forbid(unsafe_code)]
 
+pub mod ack_deadline;
 pub mod auth;
 pub mod config;
 pub mod desired;

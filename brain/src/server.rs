@@ -17,6 +17,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::ack_deadline::AckDeadline;
 use crate::auth::{self, Groups, Refusal, Roles};
 use crate::fanout::{Fanout, Next, Publication};
 use crate::freshness::Freshness;
@@ -565,6 +566,7 @@ async fn session(
         .await
         .map_err(|_| Status::unavailable("brain shutting down"))?;
     let mut base = fanout.resume_point(node, hello.applied.as_ref());
+    let mut ack_deadline = AckDeadline::new(ACK_TIMEOUT);
     tracing::info!(node, resume = base.is_some(), "serving node");
     loop {
         let desired = desired_rx.borrow_and_update().clone();
@@ -623,7 +625,9 @@ async fn session(
         tx.send(Ok(frames))
             .await
             .map_err(|_| Status::cancelled("node went away"))?;
-        let ack = match tokio::time::timeout(ACK_TIMEOUT, next_inbound(fanout, node, &mut inbound))
+        let sent = tokio::time::Instant::now();
+        let ack = match ack_deadline
+            .wait(sent, next_inbound(fanout, node, &mut inbound))
             .await
         {
             Err(_) => return Err(Status::deadline_exceeded("no ack")),
