@@ -82,7 +82,7 @@ if runs:
     out.append(f"10,000 Services x 10 endpoints, two brain replicas (nodes spread over both), 3 real actuators, the rest virtual nodes over real mTLS gRPC; on {r0['machine']['nproc']} cores ({r0['machine']['cpu_model']}), splitproxy {r0['versions']['splitproxy']} (each run's commit in the table), Kubernetes {r0['versions']['kubernetes']}.\n")
 cols = ["nodes"] + [f"{r['config']['nodes']:,}" for r in runs]
 rows = [
-    ("splitproxy commit of the run", lambda r: r["versions"]["git_commit"]),
+    ("splitproxy commit the binary was built from", lambda r: r["versions"].get("build_commit") or r["versions"]["git_commit"]),
     ("every node holds the state, from brain start (time, bytes)", lambda r: target(r, "every node holds the state")),
     ("brain CPU during churn / updates sent = per node-update", cpu_per_update),
     ("brain peak RSS, largest replica (MiB)", lambda r: mib(peak(r))),

@@ -80,6 +80,9 @@ pub struct BenchArgs {
     /// Do not run the restart phase (every replica stopped and started again).
     #[arg(long)]
     pub skip_restart: bool,
+    /// Do not measure the fan-out floor (bare loopback TCP to as many nodes, src/floor.rs).
+    #[arg(long)]
+    pub skip_floor: bool,
     /// Duration of the steady-churn phase, seconds.
     #[arg(long, default_value_t = 60)]
     pub churn_seconds: u64,

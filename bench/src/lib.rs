@@ -16,6 +16,7 @@
 
 pub mod cli;
 pub mod fleet;
+pub mod floor;
 pub mod kubeproxy;
 pub mod machine;
 pub mod measure;

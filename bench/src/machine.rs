@@ -67,5 +67,6 @@ pub fn versions(kube_proxy: bool) -> Versions {
         },
         etcd: version_of("etcd"),
         git_commit,
+        build_commit: env!("SPLITPROXY_BUILD_COMMIT").to_string(),
     }
 }

@@ -262,7 +262,15 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
         kube_proxy: "n/a".into(),
         ratio: None,
         met: per_update.map(|v| v <= 10e-6),
-        note: "churn phase: CPU seconds of every brain replica / updates they sent".into(),
+        note: match &r.floor {
+            Some(f) => format!(
+                "churn phase: CPU seconds of every brain replica / updates they sent; the fan-out floor in the same run \
+                 (bare loopback TCP, no TLS or HTTP/2, see Fan-out floor) is {:.1} µs on the sending side, and this is {}× that",
+                f.brain_cpu_per_update * 1e6,
+                fmt_ratio(per_update.map(|v| v / f.brain_cpu_per_update))
+            ),
+            None => "churn phase: CPU seconds of every brain replica / updates they sent".into(),
+        },
     });
     let cs = &r.cold_start;
     out.push(Target {
@@ -425,6 +433,31 @@ fn brain_cpu_per_update(p: &Phase) -> Option<f64> {
     }
 }
 
+/// CPU seconds of the bench process (the virtual fleet and the API writer) in a phase, per
+/// update the brains sent.
+fn bench_cpu_per_update(p: &Phase) -> Option<f64> {
+    let cpu: f64 = p
+        .processes
+        .iter()
+        .filter(|(role, _)| role.starts_with("bench"))
+        .map(|(_, u)| u.cpu_seconds)
+        .sum();
+    match p.splitproxy.updates_sent {
+        Some(u) if u > 0.0 => Some(cpu / u),
+        _ => None,
+    }
+}
+
+/// Which code ran: the binary's commit, and the checkout's when it differs (or when an older
+/// result has no binary commit).
+fn commits(v: &crate::results::Versions) -> String {
+    match (v.build_commit.as_str(), v.git_commit.as_str()) {
+        ("", checkout) => format!("checkout {checkout}"),
+        (built, checkout) if built == checkout => built.to_string(),
+        (built, checkout) => format!("built from {built}, run from checkout {checkout}"),
+    }
+}
+
 fn gb(v: Option<f64>) -> String {
     v.map_or("n/a".into(), |v| {
         if v >= 1e9 {
@@ -512,7 +545,7 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
         r.machine.kernel,
         r.machine.cpu_model,
         r.versions.splitproxy,
-        r.versions.git_commit,
+        commits(&r.versions),
         r.versions.kubernetes,
         r.versions.kube_proxy,
         r.versions.etcd,
@@ -822,6 +855,7 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     }
 
     single_section(w, r);
+    floor_section(w, r);
     failover_section(w, r);
     restart_section(w, r);
 
@@ -1097,6 +1131,58 @@ fn failover_section(w: &mut String, r: &BenchResult) {
         let _ = writeln!(w, "\nNote: {n}");
     }
     let _ = writeln!(w);
+}
+
+/// The fan-out floor beside what splitproxy did in the same run: CPU per update and a single
+/// change's fan-out to every node.
+fn floor_section(w: &mut String, r: &BenchResult) {
+    let Some(f) = &r.floor else {
+        return;
+    };
+    let _ = writeln!(
+        w,
+        "## Fan-out floor\n\nWhat the system calls alone cost for one TCP stream per node and an ack per update, \
+         measured in this run (src/floor.rs): {} loopback connections, {} rounds of a {}-byte update to each and a \
+         {}-byte ack back, one epoll loop on each side, no TLS, HTTP/2 or protobuf. Any design with a stream per node \
+         and an ack per update pays at least this on this machine.\n",
+        f.nodes, f.rounds, f.update_bytes, f.ack_bytes
+    );
+    let churn = phase(r, "churn");
+    let brain = churn.and_then(brain_cpu_per_update);
+    let fleet = churn.and_then(bench_cpu_per_update);
+    let single = r.single_changes.as_ref().and_then(|s| s.npl.p50);
+    let _ = writeln!(
+        w,
+        "| figure | splitproxy | floor | ratio |\n|---|---|---|---|"
+    );
+    let us = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6));
+    let _ = writeln!(
+        w,
+        "| CPU per update, the brain's side (churn) | {} | {} | {} |",
+        us(brain),
+        us(Some(f.brain_cpu_per_update)),
+        fmt_ratio(brain.map(|b| b / f.brain_cpu_per_update))
+    );
+    let _ = writeln!(
+        w,
+        "| CPU per update, the nodes' side (churn; splitproxy: the bench process, virtual fleet and writer) | {} | {} | {} |",
+        us(fleet),
+        us(Some(f.node_cpu_per_update)),
+        fmt_ratio(fleet.map(|b| b / f.node_cpu_per_update))
+    );
+    let _ = writeln!(
+        w,
+        "| one change to every node (splitproxy: single-change NPL p50; floor: a round's mean) | {} | {} | {} |",
+        ms(single),
+        ms(Some(f.round_mean_seconds)),
+        fmt_ratio(single.map(|v| v / f.round_mean_seconds))
+    );
+    let _ = writeln!(
+        w,
+        "| a round to every node, worst of {} | | {} | |\n",
+        f.rounds,
+        ms(Some(f.round_max_seconds))
+    );
 }
 
 fn restart_section(w: &mut String, r: &BenchResult) {

@@ -29,6 +29,9 @@ pub struct BenchResult {
     pub failover: Option<Failover>,
     /// Every replica stopped and started again on the same cluster state.
     pub restart: Option<Restart>,
+    /// Bare loopback TCP to as many nodes, measured after the churn phase (src/floor.rs).
+    #[serde(default)]
+    pub floor: Option<crate::floor::Floor>,
     pub watches: Option<Watches>,
     pub targets: Vec<Target>,
     /// Things that went wrong or were skipped, in words.
@@ -41,7 +44,11 @@ pub struct Versions {
     pub kubernetes: String,
     pub kube_proxy: String,
     pub etcd: String,
+    /// The commit checked out when the bench ran.
     pub git_commit: String,
+    /// The commit the binary (bench, brain and actuators alike) was built from.
+    #[serde(default)]
+    pub build_commit: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -198,6 +198,12 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
             Err(e) => b.notes.push(format!("phase {name} failed: {e:#}")),
         }
     }
+    if !args.skip_floor {
+        match fanout_floor(result).await {
+            Ok(f) => result.floor = Some(f),
+            Err(e) => b.notes.push(format!("fan-out floor not measured: {e:#}")),
+        }
+    }
     if args.failover() {
         match failover::failover(b).await {
             Ok((p, f)) => {
@@ -220,6 +226,39 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
         }
     }
 }
+
+/// The fan-out floor ([`crate::floor`]) to as many nodes as the fleet has, with updates as long
+/// as the churn phase's: run while the brain and the fleet are idle between phases.
+async fn fanout_floor(result: &BenchResult) -> anyhow::Result<crate::floor::Floor> {
+    let churn = result
+        .phases
+        .iter()
+        .find(|p| p.name == "churn")
+        .context("no churn phase to take the update size from")?;
+    let update_bytes = match (churn.splitproxy.bytes_sent, churn.splitproxy.updates_sent) {
+        (Some(bytes), Some(updates)) if updates > 0.0 => (bytes / updates).round() as usize,
+        _ => anyhow::bail!("the churn phase has no update sizes"),
+    };
+    let nodes = result.config.nodes;
+    println!("[bench] fan-out floor: {nodes} loopback TCP streams, {update_bytes}-byte updates");
+    let f = tokio::task::spawn_blocking(move || {
+        crate::floor::measure(nodes, update_bytes, FLOOR_ACK_BYTES, FLOOR_ROUNDS)
+    })
+    .await??;
+    println!(
+        "[bench]   floor: {:.1} µs CPU per update on the sending side, {:.1} µs on the nodes' side; a round to every node {:.1} ms (worst {:.1} ms)",
+        f.brain_cpu_per_update * 1e6,
+        f.node_cpu_per_update * 1e6,
+        f.round_mean_seconds * 1e3,
+        f.round_max_seconds * 1e3
+    );
+    Ok(f)
+}
+
+/// An ack as a node sends it: the `Ack` message, its gRPC prefix, the HTTP/2 frame header.
+const FLOOR_ACK_BYTES: usize = 48;
+/// Rounds of the floor measurement (each an update to every node and its ack).
+const FLOOR_ROUNDS: usize = 20;
 
 type PhaseFn = for<'a> fn(
     &'a mut Bench,

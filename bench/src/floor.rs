@@ -1,0 +1,272 @@
+//! The fan-out floor of this machine, measured in the same run as splitproxy: what the system
+//! calls alone cost when every node has its own TCP stream and acks every update.
+//!
+//! N loopback TCP connections. Each round, one thread (the "brain") writes an update to every
+//! connection and then reads one ack from each; another thread (the "nodes") reads each update
+//! and answers with an ack. Updates are as long as the brain's were in the churn phase, acks as
+//! long as a node's ack with its framing. No TLS, no HTTP/2, no protobuf, no allocation per
+//! message, one `epoll` loop each side: any design that keeps a stream per node and an ack per
+//! update pays at least this on this machine, whatever its user space does. On loopback the
+//! sender's `write` also runs the receiver's TCP processing, as it does for the brain and the
+//! virtual fleet, so the comparison is like for like.
+//!
+//! The brain's CPU per node-update and a single change's fan-out to every node are reported
+//! against it (`report.rs`), as kube-proxy's figures are: a ratio to a peer measured in the
+//! same run, not to a number from another day.
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use mio::net::TcpStream as MioStream;
+use mio::{Events, Interest, Poll, Token};
+use serde::{Deserialize, Serialize};
+
+/// What the floor measurement found.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Floor {
+    pub nodes: usize,
+    pub rounds: usize,
+    pub update_bytes: usize,
+    pub ack_bytes: usize,
+    /// CPU seconds of the writing side per update (write, and read of the ack).
+    pub brain_cpu_per_update: f64,
+    /// CPU seconds of the nodes' side per update (read, and write of the ack).
+    pub node_cpu_per_update: f64,
+    /// Wall time of one round (an update to every node and every ack back): mean and worst.
+    pub round_mean_seconds: f64,
+    pub round_max_seconds: f64,
+}
+
+/// Longest a measurement may take before it is abandoned.
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs `rounds` rounds to `nodes` connections; blocking (run it off the async runtime).
+pub fn measure(
+    nodes: usize,
+    update_bytes: usize,
+    ack_bytes: usize,
+    rounds: usize,
+) -> anyhow::Result<Floor> {
+    if nodes == 0 || rounds == 0 || update_bytes == 0 || ack_bytes == 0 {
+        bail!("nothing to measure");
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding on loopback")?;
+    let addr = listener.local_addr()?;
+    let started = Instant::now();
+    let node_side = std::thread::Builder::new()
+        .name("floor-nodes".into())
+        .spawn(move || nodes_side(addr, nodes, update_bytes, ack_bytes, rounds, started))?;
+    listener.set_nonblocking(true)?;
+    let gone = || node_side.is_finished();
+    let sending = sending_side(
+        &listener,
+        &gone,
+        nodes,
+        update_bytes,
+        ack_bytes,
+        rounds,
+        started,
+    );
+    drop(listener);
+    // Joined after the sending side dropped its connections: a failed side ends the other's
+    // loop (it reads a closed connection) instead of leaving it waiting.
+    let receiving = node_side
+        .join()
+        .map_err(|_| anyhow::anyhow!("the nodes' thread panicked"))?;
+    let ((brain_cpu, total, worst), node_cpu) = match (sending, receiving) {
+        (Ok(s), Ok((r, _conns))) => (s, r),
+        (Err(s), Ok(_)) => return Err(s.context("the sending side")),
+        (Ok(_), Err(r)) => return Err(r.context("the nodes' side")),
+        (Err(s), Err(r)) => bail!("the sending side: {s:#}; the nodes' side: {r:#}"),
+    };
+    let updates = (nodes * rounds) as f64;
+    Ok(Floor {
+        nodes,
+        rounds,
+        update_bytes,
+        ack_bytes,
+        brain_cpu_per_update: brain_cpu / updates,
+        node_cpu_per_update: node_cpu / updates,
+        round_mean_seconds: total.as_secs_f64() / rounds as f64,
+        round_max_seconds: worst.as_secs_f64(),
+    })
+}
+
+/// The sending side: accept every node, then the rounds. Returns its CPU seconds, the rounds'
+/// total and worst wall time.
+fn sending_side(
+    listener: &TcpListener,
+    nodes_gone: &dyn Fn() -> bool,
+    nodes: usize,
+    update_bytes: usize,
+    ack_bytes: usize,
+    rounds: usize,
+    started: Instant,
+) -> anyhow::Result<(f64, Duration, Duration)> {
+    let mut poll = Poll::new()?;
+    let mut conns = Vec::with_capacity(nodes);
+    while conns.len() < nodes {
+        match listener.accept() {
+            Ok((s, _)) => conns.push(register(&poll, s, conns.len())?),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if nodes_gone() {
+                    bail!("the nodes stopped connecting");
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(e).context("accepting"),
+        }
+        if started.elapsed() > LIMIT {
+            bail!("connecting took longer than {LIMIT:?}");
+        }
+    }
+    let update = vec![0x5a_u8; update_bytes];
+    let mut buf = vec![0_u8; 64 * 1024];
+    let mut events = Events::with_capacity(1024);
+    let cpu0 = thread_cpu();
+    let (mut total, mut worst) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..rounds {
+        let round = Instant::now();
+        for c in conns.iter_mut() {
+            write_all(c, &update)?;
+        }
+        let mut acked = 0_usize;
+        let mut pending_bytes = 0_usize;
+        while acked < nodes {
+            poll_some(&mut poll, &mut events, started)?;
+            for ev in events.iter() {
+                let got = read_available(&mut conns[ev.token().0], &mut buf)?;
+                pending_bytes += got;
+                acked += pending_bytes / ack_bytes;
+                pending_bytes %= ack_bytes;
+            }
+        }
+        let took = round.elapsed();
+        total += took;
+        worst = worst.max(took);
+    }
+    Ok((thread_cpu() - cpu0, total, worst))
+}
+
+/// The nodes: connect, then answer every whole update with an ack. Returns their CPU seconds
+/// from the first update on, and their connections: closed only once the sending side is done,
+/// which would otherwise read the end of a node's stream while waiting for another's ack.
+fn nodes_side(
+    addr: std::net::SocketAddr,
+    nodes: usize,
+    update_bytes: usize,
+    ack_bytes: usize,
+    rounds: usize,
+    started: Instant,
+) -> anyhow::Result<(f64, Vec<MioStream>)> {
+    let mut poll = Poll::new()?;
+    let mut conns = Vec::with_capacity(nodes);
+    for i in 0..nodes {
+        let s = TcpStream::connect(addr).context("connecting")?;
+        conns.push(register(&poll, s, i)?);
+    }
+    let ack = vec![0xa5_u8; ack_bytes];
+    let mut got = vec![0_usize; nodes];
+    let mut buf = vec![0_u8; 64 * 1024];
+    let mut events = Events::with_capacity(1024);
+    let total = nodes * rounds;
+    let mut done = 0;
+    let mut cpu0 = None;
+    while done < total {
+        poll_some(&mut poll, &mut events, started)?;
+        cpu0.get_or_insert_with(thread_cpu);
+        for ev in events.iter() {
+            let i = ev.token().0;
+            got[i] += read_available(&mut conns[i], &mut buf)?;
+            while got[i] >= update_bytes {
+                got[i] -= update_bytes;
+                write_all(&mut conns[i], &ack)?;
+                done += 1;
+            }
+        }
+    }
+    Ok((thread_cpu() - cpu0.unwrap_or(0.0), conns))
+}
+
+fn register(poll: &Poll, s: TcpStream, i: usize) -> anyhow::Result<MioStream> {
+    s.set_nodelay(true)?;
+    s.set_nonblocking(true)?;
+    let mut s = MioStream::from_std(s);
+    poll.registry()
+        .register(&mut s, Token(i), Interest::READABLE)?;
+    Ok(s)
+}
+
+fn poll_some(poll: &mut Poll, events: &mut Events, started: Instant) -> anyhow::Result<()> {
+    let left = LIMIT.saturating_sub(started.elapsed());
+    if left.is_zero() {
+        bail!("the measurement took longer than {LIMIT:?}");
+    }
+    poll.poll(events, Some(left))?;
+    Ok(())
+}
+
+/// Reads what the socket holds: one `read` when it returns less than the buffer (the socket is
+/// then drained, as tokio assumes too), more only when it filled the buffer.
+fn read_available(s: &mut MioStream, buf: &mut [u8]) -> anyhow::Result<usize> {
+    let mut total = 0;
+    loop {
+        match s.read(buf) {
+            Ok(0) => bail!("a connection closed"),
+            Ok(n) => {
+                total += n;
+                if n < buf.len() {
+                    return Ok(total);
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(total),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Writes all of `data`; the socket buffers are far larger than one update, so a full buffer
+/// means something is wrong rather than something to wait for.
+fn write_all(s: &mut MioStream, data: &[u8]) -> anyhow::Result<()> {
+    let mut at = 0;
+    while at < data.len() {
+        match s.write(&data[at..]) {
+            Ok(n) => at += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e).context("writing to a loopback socket"),
+        }
+    }
+    Ok(())
+}
+
+/// This thread's CPU seconds (user and system).
+fn thread_cpu() -> f64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    getrusage(UsageWho::RUSAGE_THREAD).map_or(0.0, |u| {
+        let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
+        t(u.user_time()) + t(u.system_time())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_floor_counts_every_update_and_ack() {
+        let f = measure(20, 3000, 40, 5).unwrap();
+        assert_eq!(
+            (f.nodes, f.rounds, f.update_bytes, f.ack_bytes),
+            (20, 5, 3000, 40)
+        );
+        assert!(f.round_mean_seconds > 0.0 && f.round_max_seconds >= f.round_mean_seconds);
+        assert!(f.brain_cpu_per_update >= 0.0 && f.node_cpu_per_update >= 0.0);
+    }
+
+    #[test]
+    fn nothing_to_measure_is_an_error() {
+        assert!(measure(0, 3000, 40, 5).is_err());
+    }
+}
