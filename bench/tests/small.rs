@@ -200,6 +200,28 @@ fn small_scale_run_measures_every_phase_on_every_node() {
     );
     assert!(json["targets"].as_array().unwrap().len() >= 8);
 
+    // The fan-out floor ran to as many streams as nodes, with the churn phase's update size.
+    let floor = &json["floor"];
+    assert_eq!(floor["nodes"], 50, "{floor:#}");
+    assert!(floor["update_bytes"].as_u64().unwrap() > 0, "{floor:#}");
+    assert!(
+        floor["round_mean_seconds"].as_f64().unwrap() > 0.0,
+        "{floor:#}"
+    );
+    assert!(
+        floor["brain_cpu_per_update"].as_f64().unwrap() >= 0.0,
+        "{floor:#}"
+    );
+    // The binary says which commit it was built from.
+    assert!(
+        !json["versions"]["build_commit"]
+            .as_str()
+            .unwrap()
+            .is_empty(),
+        "{:#}",
+        json["versions"]
+    );
+
     // Single changes as distributions: every node's sample of every change.
     let single = &json["single_changes"];
     assert_eq!(single["changes"], 5, "{single:#}");
