@@ -20,13 +20,21 @@ fn main() {
     let root = Path::new(&manifest).parent().unwrap_or(Path::new("."));
     let commit = git(root, &["rev-parse", "--short", "HEAD"]).unwrap_or_default();
     println!("cargo:rustc-env=SPLITPROXY_BUILD_COMMIT={commit}");
-    // Built again when HEAD moves: a new commit on the branch, or another branch checked out.
+    // Built again when HEAD moves: a new commit on the branch (its ref, loose or packed), or
+    // another branch checked out. Only paths that exist: cargo takes a missing one for changed
+    // and would run this again, and rebuild the crate, on every build.
     if let Some(dir) = git(root, &["rev-parse", "--absolute-git-dir"]) {
-        println!("cargo:rerun-if-changed={dir}/HEAD");
+        let mut watched = vec![format!("{dir}/HEAD"), format!("{dir}/packed-refs")];
         if let Some(head) = git(root, &["symbolic-ref", "-q", "HEAD"]) {
-            println!("cargo:rerun-if-changed={dir}/{head}");
+            watched.push(format!("{dir}/{head}"));
+            // A branch whose ref is packed gets a loose file at its next commit.
+            if let Some((parent, _)) = head.rsplit_once('/') {
+                watched.push(format!("{dir}/{parent}"));
+            }
         }
-        println!("cargo:rerun-if-changed={dir}/packed-refs");
+        for path in watched.iter().filter(|p| Path::new(p).exists()) {
+            println!("cargo:rerun-if-changed={path}");
+        }
     }
     println!("cargo:rerun-if-changed=build.rs");
 }
