@@ -254,7 +254,7 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
         met: churn_npl.and_then(|s| s.p99).map(|v| v <= 0.300),
         note: "the churn phase alone".into(),
     });
-    let per_update = churn.and_then(brain_cpu_per_update);
+    let per_update = churn.and_then(|p| cpu_per_update(p, "brain"));
     out.push(Target {
         figure: "brain CPU per node-update".into(),
         target: "≤ 10 µs".into(),
@@ -419,31 +419,20 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
     out
 }
 
-/// CPU seconds of every brain replica in a phase, per update they sent.
-fn brain_cpu_per_update(p: &Phase) -> Option<f64> {
-    let cpu: f64 = p
-        .processes
+/// CPU seconds in a phase of the processes whose role starts with `role` ("brain": every
+/// replica; "bench": the virtual fleet and the API writer).
+fn role_cpu(p: &Phase, role: &str) -> f64 {
+    p.processes
         .iter()
-        .filter(|(role, _)| role.starts_with("brain"))
+        .filter(|(r, _)| r.starts_with(role))
         .map(|(_, u)| u.cpu_seconds)
-        .sum();
-    match p.splitproxy.updates_sent {
-        Some(u) if u > 0.0 => Some(cpu / u),
-        _ => None,
-    }
+        .sum()
 }
 
-/// CPU seconds of the bench process (the virtual fleet and the API writer) in a phase, per
-/// update the brains sent.
-fn bench_cpu_per_update(p: &Phase) -> Option<f64> {
-    let cpu: f64 = p
-        .processes
-        .iter()
-        .filter(|(role, _)| role.starts_with("bench"))
-        .map(|(_, u)| u.cpu_seconds)
-        .sum();
+/// [`role_cpu`] per update the brains sent in the phase.
+fn cpu_per_update(p: &Phase, role: &str) -> Option<f64> {
     match p.splitproxy.updates_sent {
-        Some(u) if u > 0.0 => Some(cpu / u),
+        Some(u) if u > 0.0 => Some(role_cpu(p, role) / u),
         _ => None,
     }
 }
@@ -1148,8 +1137,8 @@ fn floor_section(w: &mut String, r: &BenchResult) {
         f.nodes, f.rounds, f.update_bytes, f.ack_bytes
     );
     let churn = phase(r, "churn");
-    let brain = churn.and_then(brain_cpu_per_update);
-    let fleet = churn.and_then(bench_cpu_per_update);
+    let brain = churn.and_then(|p| cpu_per_update(p, "brain"));
+    let fleet = churn.and_then(|p| cpu_per_update(p, "bench"));
     let single = r.single_changes.as_ref().and_then(|s| s.npl.p50);
     let _ = writeln!(
         w,
@@ -1268,20 +1257,11 @@ fn why(r: &BenchResult, figure: &str) -> String {
                 )
             })
             .unwrap_or_default();
-        let brain_cpu = churn.map(|p| {
-            p.processes
-                .iter()
-                .filter(|(role, _)| role.starts_with("brain"))
-                .map(|(_, u)| u.cpu_seconds)
-                .sum::<f64>()
-                / p.seconds.max(1e-9)
-        });
-        let bench_cpu = churn.and_then(|p| {
-            p.processes
-                .iter()
-                .find(|(k, _)| k.starts_with("bench"))
-                .map(|(_, u)| u.cpu_seconds / p.seconds.max(1e-9))
-        });
+        let cores = |p: &Phase, role: &str| role_cpu(p, role) / p.seconds.max(1e-9);
+        let brain_cpu = churn.map(|p| cores(p, "brain"));
+        let bench_cpu = churn
+            .filter(|p| p.processes.iter().any(|(k, _)| k.starts_with("bench")))
+            .map(|p| cores(p, "bench"));
         return format!(
             "In the churn phase the brain's compute p99 was {}, fan-out (publication to last ack) p99 {}, a virtual node's decode+apply p99 {}; \
              the brain used {} cores and the bench process (virtual fleet, writer) {} cores of {}: the latency is mostly queueing for CPU \
@@ -1301,12 +1281,7 @@ fn why(r: &BenchResult, figure: &str) -> String {
     }
     if figure.starts_with("brain CPU per node-update") {
         if let Some(p) = churn {
-            let cpu: f64 = p
-                .processes
-                .iter()
-                .filter(|(role, _)| role.starts_with("brain"))
-                .map(|(_, u)| u.cpu_seconds)
-                .sum();
+            let cpu = role_cpu(p, "brain");
             return format!(
                 "In the churn phase the brain replicas used {cpu:.2} CPU seconds for {} updates sent \
                  ({} publications).",
