@@ -8,9 +8,10 @@
 //! Node overlays ([`crate::overlay`]) add elements to the sets defined here; dynamic sets
 //! (per-count, per-timeout) they use are reference-counted here too, so a set exists exactly
 //! while some node or the shared state uses it.
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use prost::Message;
 use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};

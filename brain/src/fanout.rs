@@ -8,12 +8,13 @@
 //! Every distinct update body (a delta between two published versions of the shared model, or
 //! a snapshot of one) is computed and encoded once and shared, as bytes, by every node that
 //! needs it; per node the brain only writes a few header fields (see `splitproxy_proto::frames`).
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use foldhash::{HashMap, HashMapExt, HashSet};
 use splitproxy_proto::frames::{
     UpdateFrame, encode_node_part, encode_parts, encode_snapshot_parts, encode_tail,
 };

@@ -11,9 +11,10 @@
 //! (usually the few hosting its endpoints), so the cost follows the change.
 use std::borrow::Cow;
 use std::cmp::Ordering;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use prost::Message;
 use splitproxy_proto::family::{IpFamily, PerFamily};
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};

@@ -10,10 +10,10 @@
 //! docs/invariants.md). Between lists, each change marks what it touches (a Service, the
 //! Services of a slice before and after, a Node), and a publication recomputes only that
 //! ("cost follows the change").
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;

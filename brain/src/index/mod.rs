@@ -7,10 +7,11 @@
 mod indexer;
 mod listing;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::objects::{NodeInfo, ObjectKey, ServiceInfo, SliceInfo};
+use foldhash::HashMap;
 
 pub use indexer::{Indexer, WatchEvent};
 
