@@ -1,7 +1,9 @@
 //! The virtual nodes: one real mTLS gRPC stream per node to the real brain, applying into the
 //! in-memory model only, so that the brain's fan-out to thousands of nodes is exercised on one
-//! machine. Benchmark code, not the production actuator's: it uses nothing of the actuator, only
-//! the protocol and the model from `splitproxy_proto`.
+//! machine. Benchmark code, not the production actuator's: it applies nothing to a kernel and
+//! speaks the protocol and the model from `splitproxy_proto` itself; of the actuator it uses
+//! only the reconnect pacing (`splitproxy_actuator::client::Pacing`), so that virtual nodes
+//! come back after a brain failover as real ones do.
 //!
 //! [`nodes`] runs the streams, `grpc` is one node's `Sync` call on its own task, `shared` holds
 //! the models nodes at the same state share, `envelope` reads an update without decoding its
