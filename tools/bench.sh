@@ -19,12 +19,14 @@
 #
 # Scale: brain compute and kernel apply alone, without an API server (no set-up beyond a release
 # build): full rebuild, every node's overlay, single-Service changes (compute / diff / delta
-# size), then in a private network namespace a node's cold start, single-endpoint changes (p50 /
-# p99 over --endpoint-changes) and a Service added and deleted. It prints the figures, after the
-# command that produced them.
+# size), publications of --churn-batch changed Services as churn makes them, then in a private
+# network namespace a node's cold start, single-endpoint changes (p50 / p99 over
+# --endpoint-changes) and a Service added and deleted. It prints the figures, after the command
+# that produced them.
 #
 #   sudo tools/bench.sh scale [--services 10000] [--endpoints 10] [--nodes 5000]
 #                             [--service-changes 100] [--endpoint-changes 200]
+#                             [--churn-publications 20] [--churn-batch 100]
 #
 #   tools/bench.sh --help          lists every flag of the end-to-end mode
 #   tools/bench.sh scale --help    lists every flag of the scale mode

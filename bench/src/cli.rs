@@ -134,6 +134,13 @@ pub struct ScaleArgs {
     /// Single-endpoint changes applied to the kernel, for their distribution.
     #[arg(long, default_value_t = 200)]
     pub endpoint_changes: usize,
+    /// Churn publications timed in the brain...
+    #[arg(long, default_value_t = 20)]
+    pub churn_publications: usize,
+    /// ... of this many changed Services each (the end-to-end mode's churn writes 1 % of the
+    /// Services a second, 100 at its defaults).
+    #[arg(long, default_value_t = 100)]
+    pub churn_batch: usize,
 }
 
 impl ScaleArgs {
@@ -143,8 +150,15 @@ impl ScaleArgs {
         if self.nodes > MAX_NODES {
             bail!("--nodes above {MAX_NODES} do not fit 100.64.0.0/10");
         }
-        if self.service_changes == 0 || self.endpoint_changes == 0 {
-            bail!("--service-changes and --endpoint-changes must be positive");
+        if self.service_changes == 0
+            || self.endpoint_changes == 0
+            || self.churn_publications == 0
+            || self.churn_batch == 0
+        {
+            bail!(
+                "--service-changes, --endpoint-changes, --churn-publications and --churn-batch \
+                 must be positive"
+            );
         }
         Ok(())
     }

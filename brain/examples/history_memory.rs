@@ -6,17 +6,19 @@
 //! relist) is recorded, after which the history keeps one state from before it.
 //!
 //! `cargo run --release -p splitproxy-brain --example history_memory -- [S] [E] [N] [changes]`
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-mod workload;
-
 use splitproxy_brain::desired::SharedRuleset;
+use splitproxy_brain::fanout::Publication;
 use splitproxy_brain::history::{HISTORY_VERSIONS, History};
+use splitproxy_brain::index::Index;
 use splitproxy_brain::metrics::Metrics;
-use splitproxy_brain::objects::{self, ObjectKey};
+use splitproxy_brain::objects::{self, NodeInfo, ObjectKey};
 use splitproxy_brain::overlay::Overlays;
 use splitproxy_brain::rules::RulesConfig;
+use splitproxy_proto::model::Model;
 
 /// Counts live heap bytes, which RSS blurs with the allocator's retained pages.
 struct Counting;
@@ -41,6 +43,63 @@ fn mib() -> f64 {
     LIVE.load(Ordering::Relaxed) as f64 / (1 << 20) as f64
 }
 
+fn service(i: u32) -> k8s_openapi::api::core::v1::Service {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("s{i}"), "namespace": "bench"},
+        "spec": {"type": "NodePort",
+                 "clusterIP": format!("10.{}.{}.{}", 96 + i / 65536, (i / 256) % 256, i % 256),
+                 "ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                            "nodePort": 30000 + (i % 2700)}]}
+    }))
+    .unwrap()
+}
+
+/// Endpoints of Service `i`, each on one of `nodes` nodes.
+fn slice(i: u32, e: u32, round: u32, nodes: u32) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+    let eps: Vec<_> = (0..e)
+        .map(|k| {
+            let n = i * e + k + round * 7;
+            serde_json::json!({
+                "addresses": [format!("10.{}.{}.{}", 128 + (n / 65536) % 64, (n / 256) % 256, n % 256)],
+                "conditions": {"ready": true},
+                "nodeName": format!("node-{}", n % nodes.max(1)),
+            })
+        })
+        .collect();
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("s{i}-1"), "namespace": "bench",
+                     "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": eps,
+    }))
+    .unwrap()
+}
+
+/// The publication of the current state, overlays updated with what changed.
+fn publication(
+    version: u64,
+    d: &SharedRuleset,
+    overlays: &mut Overlays,
+    published: &mut imbl::HashMap<String, Arc<Model>>,
+) -> Arc<Publication> {
+    for (node, m) in overlays.changed_models() {
+        match m {
+            Some(m) => {
+                published.insert(node, m);
+            }
+            None => {
+                published.remove(&node);
+            }
+        }
+    }
+    Arc::new(Publication {
+        version,
+        shared: Arc::new(d.model().clone()),
+        overlays: published.clone(),
+    })
+}
+
 fn main() {
     let args: Vec<u32> = std::env::args()
         .skip(1)
@@ -51,7 +110,29 @@ fn main() {
     let nodes = args.get(2).copied().unwrap_or(5_000);
     let changes = args.get(3).copied().unwrap_or(HISTORY_VERSIONS as u32 - 1);
     let metrics = Metrics::default();
-    let mut index = workload::index(s, e, nodes, &metrics);
+    let mut index = Index::default();
+    for i in 0..s {
+        let svc = service(i);
+        index.apply_service(
+            ObjectKey::of(&svc),
+            objects::service(&svc, &Default::default(), &metrics),
+        );
+        let sl = slice(i, e, 0, nodes);
+        index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
+    }
+    for n in 0..nodes {
+        let ip = format!("192.168.{}.{}", n / 256, n % 256).parse().unwrap();
+        let name = format!("node-{n}");
+        index.apply_node(
+            name.clone(),
+            Some(NodeInfo {
+                name,
+                addresses: vec![ip],
+                primary: vec![ip],
+                ..Default::default()
+            }),
+        );
+    }
     let config = RulesConfig::default();
     let mut d = SharedRuleset::new(config.clone());
     let mut overlays = Overlays::new(config.clone());
@@ -62,12 +143,7 @@ fn main() {
     let mut published = imbl::HashMap::new();
     let history = History::default();
     let mut version = 1;
-    history.record(workload::publication(
-        version,
-        &d,
-        &mut overlays,
-        &mut published,
-    ));
+    history.record(publication(version, &d, &mut overlays, &mut published));
     let state = mib();
     println!(
         "{s} Services x {e} endpoints, {nodes} nodes: built in {:?}, {} shared elements; live heap {state:.1} MiB (index, state, one publication)",
@@ -77,19 +153,14 @@ fn main() {
 
     for k in 0..changes {
         let i = (k * 97) % s;
-        let sl = workload::slice(i, e, 1000 + k, nodes);
+        let sl = slice(i, e, 1000 + k, nodes);
         index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
         let key = [ObjectKey::new("bench", format!("s{i}"))];
         d.update(&index, key.iter());
         overlays.update(&index, &mut d, key.iter(), std::iter::empty());
         d.prune();
         version += 1;
-        history.record(workload::publication(
-            version,
-            &d,
-            &mut overlays,
-            &mut published,
-        ));
+        history.record(publication(version, &d, &mut overlays, &mut published));
     }
     let full = mib();
     println!(
@@ -98,7 +169,7 @@ fn main() {
     );
 
     // Only the newest, many times over: what the older versions alone held is freed.
-    let newest = workload::publication(version, &d, &mut overlays, &mut published);
+    let newest = publication(version, &d, &mut overlays, &mut published);
     for _ in 0..HISTORY_VERSIONS {
         history.record(newest.clone());
     }
@@ -110,18 +181,13 @@ fn main() {
     );
 
     // A rebuild (a relist with a change): everything built anew, nothing shared.
-    let sl = workload::slice(0, e, 9999, nodes);
+    let sl = slice(0, e, 9999, nodes);
     index.apply_slice(ObjectKey::of(&sl), objects::slice(&sl, &metrics));
     d.rebuild(&index);
     overlays.rebuild(&index, &mut d);
     d.prune();
     version += 1;
-    history.record(workload::publication(
-        version,
-        &d,
-        &mut overlays,
-        &mut published,
-    ));
+    history.record(publication(version, &d, &mut overlays, &mut published));
     drop(newest);
     println!(
         "after a rebuild: history {:?}, live heap {:.1} MiB (the state from before the rebuild is kept: {:.1} MiB)",

@@ -176,6 +176,63 @@ impl Brain {
         Ok(())
     }
 
+    /// `rounds` publications of `batch` changed Services each, one endpoint of each replaced as
+    /// the end-to-end mode's churn does: the brain's compute of one churn publication (the
+    /// slices into the index, the shared ruleset, the overlays of the nodes they touch, and the
+    /// models a publication hands to the fan-out), which a churned change waits for before any
+    /// node is sent it.
+    pub fn churn_publications(
+        &mut self,
+        w: &mut Workload,
+        batch: usize,
+        rounds: usize,
+    ) -> anyhow::Result<()> {
+        let plain = w.plain_services();
+        let batch = batch.min(plain);
+        let mut compute = Samples::default();
+        let mut cursor = 0;
+        for round in 0..rounds {
+            let mut changed = Vec::with_capacity(batch);
+            for _ in 0..batch {
+                let i = (cursor * 97) % plain;
+                cursor += 1;
+                let j = round % w.services[i].slices[0].endpoints.len();
+                let fresh = w.fresh_endpoint(i + j);
+                w.services[i].slices[0].endpoints[j] = fresh;
+                changed.push((service_key(&w.services[i]), slice_objects(&w.services[i])?));
+            }
+            let t = Instant::now();
+            for (_, slices) in &changed {
+                for obj in slices {
+                    self.index
+                        .apply_slice(ObjectKey::of(obj), objects::slice(obj, &self.metrics));
+                }
+            }
+            let keys: Vec<&ObjectKey> = changed.iter().map(|(k, _)| k).collect();
+            self.desired.update(&self.index, keys.iter().copied());
+            if self.nodes > 0 {
+                self.overlays.update(
+                    &self.index,
+                    &mut self.desired,
+                    keys.iter().copied(),
+                    std::iter::empty(),
+                );
+            }
+            self.desired.prune();
+            let shared = Arc::new(self.desired.model().clone());
+            let overlays = self.overlays.changed_models();
+            compute.push(t.elapsed());
+            drop((shared, overlays));
+        }
+        println!(
+            "brain: churn publication ({rounds} publications of {batch} Services, one endpoint of \
+             each replaced): compute p50 {:?} max {:?}",
+            compute.quantile(0.5),
+            compute.max(),
+        );
+        Ok(())
+    }
+
     /// The snapshot a node cold-starts from (the shared ruleset now), then the deltas of
     /// `endpoint_changes` single-endpoint changes, one Service added and one deleted.
     pub fn updates(

@@ -4,7 +4,8 @@
 //! S Services x E endpoints over N Nodes, laid out by the end-to-end mode's generator
 //! ([`crate::workload`]), go through the brain's index and incremental desired state (full
 //! rebuild, every node's overlay: the memory that grows with nodes, single-Service changes with
-//! their diffs and encoded sizes), then the actuator's applier commits them in a private network
+//! their diffs and encoded sizes, publications of many changed Services as churn makes them),
+//! then the actuator's applier commits them in a private network
 //! namespace: a snapshot (cold start), single-endpoint changes (a distribution: one sample of a
 //! sub-millisecond apply cannot be trusted), one Service added and one deleted. It prints one
 //! line per figure, after the command that produced them. Needs root (the namespace).
@@ -39,6 +40,7 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<()> {
     brain.rebuild(&w);
     brain.build_overlays();
     brain.service_changes(&mut w, args.service_changes)?;
+    brain.churn_publications(&mut w, args.churn_batch, args.churn_publications)?;
     let updates = brain.updates(&mut w, args.endpoint_changes)?;
     brain.release();
     println!("before applying: {}", heap::memory());
