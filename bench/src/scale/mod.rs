@@ -5,10 +5,10 @@
 //! ([`crate::workload`]), go through the brain's index and incremental desired state (full
 //! rebuild, every node's overlay: the memory that grows with nodes, single-Service changes with
 //! their diffs and encoded sizes, publications of many changed Services as churn makes them),
-//! then the actuator's applier commits them in a private network
-//! namespace: a snapshot (cold start), single-endpoint changes (a distribution: one sample of a
-//! sub-millisecond apply cannot be trusted), one Service added and one deleted. It prints one
-//! line per figure, after the command that produced them. Needs root (the namespace).
+//! then the actuator's applier commits them in a private network namespace: a snapshot (cold
+//! start), single-endpoint changes (a distribution: one sample of a sub-millisecond apply cannot
+//! be trusted), one Service added and one deleted. It prints one line per figure, after the
+//! command that produced them. Needs root (the namespace).
 pub mod brain;
 pub mod heap;
 pub mod kernel;

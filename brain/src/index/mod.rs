@@ -10,8 +10,9 @@ mod listing;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use crate::objects::{NodeInfo, ObjectKey, ServiceInfo, SliceInfo};
 use foldhash::HashMap;
+
+use crate::objects::{NodeInfo, ObjectKey, ServiceInfo, SliceInfo};
 
 pub use indexer::{Indexer, WatchEvent};
 
