@@ -1144,21 +1144,23 @@ fn floor_section(w: &mut String, r: &BenchResult) {
         w,
         "| figure | splitproxy | floor | ratio |\n|---|---|---|---|"
     );
-    let us = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6));
-    let _ = writeln!(
-        w,
-        "| CPU per update, the brain's side (churn) | {} | {} | {} |",
-        us(brain),
-        us(Some(f.brain_cpu_per_update)),
-        fmt_ratio(brain.map(|b| b / f.brain_cpu_per_update))
-    );
-    let _ = writeln!(
-        w,
-        "| CPU per update, the nodes' side (churn; splitproxy: the bench process, virtual fleet and writer) | {} | {} | {} |",
-        us(fleet),
-        us(Some(f.node_cpu_per_update)),
-        fmt_ratio(fleet.map(|b| b / f.node_cpu_per_update))
-    );
+    let us = |v: f64| format!("{:.1} µs", v * 1e6);
+    for (side, ours, floor) in [
+        ("the brain's side (churn)", brain, f.brain_cpu_per_update),
+        (
+            "the nodes' side (churn; splitproxy: the bench process, virtual fleet and writer)",
+            fleet,
+            f.node_cpu_per_update,
+        ),
+    ] {
+        let _ = writeln!(
+            w,
+            "| CPU per update, {side} | {} | {} | {} |",
+            ours.map_or("n/a".into(), us),
+            us(floor),
+            fmt_ratio(ours.map(|v| v / floor))
+        );
+    }
     let _ = writeln!(
         w,
         "| one change to every node (splitproxy: single-change NPL p50; floor: a round's mean) | {} | {} | {} |",

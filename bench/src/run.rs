@@ -230,10 +230,7 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
 /// The fan-out floor ([`crate::floor`]) to as many nodes as the fleet has, with updates as long
 /// as the churn phase's: run while the brain and the fleet are idle between phases.
 async fn fanout_floor(result: &BenchResult) -> anyhow::Result<crate::floor::Floor> {
-    let churn = result
-        .phases
-        .iter()
-        .find(|p| p.name == "churn")
+    let churn = crate::report::phase(result, "churn")
         .context("no churn phase to take the update size from")?;
     let update_bytes = match (churn.splitproxy.bytes_sent, churn.splitproxy.updates_sent) {
         (Some(bytes), Some(updates)) if updates > 0.0 => (bytes / updates).round() as usize,
