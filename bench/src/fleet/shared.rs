@@ -51,6 +51,7 @@ impl SharedModels {
     /// last part. Checks the digest the brain sent, as a real actuator does.
     pub fn next_state(&self, env: &Envelope, held: Option<&Held>) -> Result<Held, String> {
         let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
+        let shared_keys = &env.body_keys[..shared.len()];
         // A delta names its base by generation, or, resumed by content, by digest.
         let by_content = env.base_generation == 0 && !env.snapshot && !env.base_digest.is_empty();
         if env.base_generation != 0 || by_content {
@@ -68,7 +69,7 @@ impl SharedModels {
             }
         }
         let base = held.filter(|_| env.base_generation != 0 || by_content);
-        let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
+        let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared_keys);
         let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
         let model = match cached {
             Some(m) => m,
@@ -126,25 +127,21 @@ impl SharedModels {
     }
 }
 
-/// Identifies a shared model by the content of its base (its digest) and the bytes of the
-/// shared parts applied to it: every node at the same base gets the same bytes.
+/// Identifies a shared model by the content of its base (its digest) and the content of the
+/// shared parts applied to it (their keys, [`Envelope::body_keys`]: hashes of the bytes they
+/// came in): every node at the same base gets the same bytes.
 ///
 /// By content, not by the path that led there: nodes reach one state along different paths
 /// (a slow node gets coalesced deltas), and keying by path gave every path its own key, so
 /// after a while of churn each node rebuilt the whole shared model itself on every update and
-/// the fleet's CPU went up with nodes times Services.
-///
-/// foldhash, not the standard library's SipHash: every node hashes its update's shared bytes
-/// (about 3 KB under churn), and SipHash over them was 5 % of the fleet's CPU. A collision
-/// cannot go unnoticed: the node's digest check after applying would fail.
-fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[Bytes]) -> u64 {
+/// the fleet's CPU went up with nodes times Services. A collision cannot go unnoticed: the
+/// node's digest check after applying would fail.
+fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[u64]) -> u64 {
     use std::hash::{BuildHasher, Hash, Hasher};
     let mut h = foldhash::quality::FixedState::with_seed(0x5eed).build_hasher();
     base.map(Model::digest).hash(&mut h);
     snapshot.hash(&mut h);
-    for p in parts {
-        p.hash(&mut h);
-    }
+    parts.hash(&mut h);
     h.finish()
 }
 
