@@ -68,7 +68,10 @@ pub(super) struct SyncCall {
     send: SendStream<Bytes>,
     /// The response body; taken out while it is read (the read borrows the connection too).
     body: Option<RecvStream>,
-    /// Received bytes not yet a whole message.
+    /// The last received chunk, while it starts with whole messages: they are taken from it
+    /// as they are, without a copy (an update is usually one chunk). Empty while `buf` is not.
+    front: Bytes,
+    /// Received bytes of a message that spans chunks, gathered until it is whole.
     buf: BytesMut,
     max_message: usize,
 }
@@ -113,6 +116,7 @@ impl SyncCall {
             _requests: requests,
             send,
             body: None,
+            front: Bytes::new(),
             buf: BytesMut::new(),
             max_message,
         };
@@ -143,6 +147,13 @@ impl SyncCall {
     /// The next update; `None` when the brain ended the call with status OK.
     pub async fn next(&mut self) -> anyhow::Result<Option<Envelope>> {
         loop {
+            if self.buf.is_empty() {
+                if let Some(msg) = take_whole(&mut self.front, self.max_message)? {
+                    return Ok(Some(Envelope::decode(msg)?));
+                }
+                // A message that continues in the next chunk: gathered from here on.
+                self.buf.extend_from_slice(&std::mem::take(&mut self.front));
+            }
             if let Some(msg) = take_message(&mut self.buf, self.max_message)? {
                 return Ok(Some(Envelope::decode(msg)?));
             }
@@ -165,7 +176,7 @@ impl SyncCall {
                 Err(e) => return Err(e),
             };
             if self.buf.is_empty() {
-                self.buf = BytesMut::from(chunk);
+                self.front = chunk;
             } else {
                 self.buf.extend_from_slice(&chunk);
             }
@@ -180,9 +191,8 @@ impl SyncCall {
     }
 }
 
-/// One whole gRPC message off the front of `buf`, without its prefix; `None` until all of it
-/// has arrived.
-fn take_message(buf: &mut BytesMut, max_message: usize) -> anyhow::Result<Option<Bytes>> {
+/// The length of the gRPC message at the start of `buf`, once all of it has arrived.
+fn whole_message(buf: &[u8], max_message: usize) -> anyhow::Result<Option<usize>> {
     if buf.len() < PREFIX {
         return Ok(None);
     }
@@ -193,11 +203,27 @@ fn take_message(buf: &mut BytesMut, max_message: usize) -> anyhow::Result<Option
     if len > max_message {
         bail!("a {len}-byte message is above the {max_message} limit");
     }
-    if buf.len() < PREFIX + len {
+    Ok((buf.len() >= PREFIX + len).then_some(len))
+}
+
+/// One whole gRPC message off the front of `buf`, without its prefix; `None` until all of it
+/// has arrived.
+fn take_message(buf: &mut BytesMut, max_message: usize) -> anyhow::Result<Option<Bytes>> {
+    let Some(len) = whole_message(buf, max_message)? else {
         return Ok(None);
-    }
+    };
     let mut msg = buf.split_to(PREFIX + len).freeze();
     msg.advance(PREFIX);
+    Ok(Some(msg))
+}
+
+/// [`take_message`] off a received chunk, which the message then shares instead of copying.
+fn take_whole(chunk: &mut Bytes, max_message: usize) -> anyhow::Result<Option<Bytes>> {
+    let Some(len) = whole_message(chunk, max_message)? else {
+        return Ok(None);
+    };
+    let msg = chunk.slice(PREFIX..PREFIX + len);
+    chunk.advance(PREFIX + len);
     Ok(Some(msg))
 }
 
@@ -256,6 +282,29 @@ mod tests {
         }
         assert_eq!(got, vec![Bytes::from("first"), Bytes::from("second")]);
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn whole_messages_of_a_chunk_are_taken_without_a_copy_and_the_rest_is_left() {
+        let mut wire = prefixed(0, b"first");
+        wire.extend(prefixed(0, b"second"));
+        wire.extend(&prefixed(0, b"third")[..4]);
+        let mut chunk = Bytes::from(wire);
+        let start = chunk.as_ptr() as usize;
+        let first = take_whole(&mut chunk, 100).unwrap().unwrap();
+        assert_eq!(first, Bytes::from("first"));
+        // The chunk's own bytes, not a copy.
+        assert_eq!(first.as_ptr() as usize, start + PREFIX);
+        assert_eq!(
+            take_whole(&mut chunk, 100).unwrap().unwrap(),
+            Bytes::from("second")
+        );
+        assert!(take_whole(&mut chunk, 100).unwrap().is_none());
+        assert_eq!(chunk.len(), 4, "the start of the third is left");
+        let mut empty = Bytes::new();
+        assert!(take_whole(&mut empty, 100).unwrap().is_none());
+        let mut compressed = Bytes::from(prefixed(1, b"x"));
+        assert!(take_whole(&mut compressed, 100).is_err());
     }
 
     #[test]
