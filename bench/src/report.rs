@@ -609,7 +609,7 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     let _ = writeln!(w, "| figure | value |\n|---|---|");
     let _ = writeln!(
         w,
-        "| brain ready (every initial list done) | {} |",
+        "| brain ready (every initial list done and the state it gives published), from its start | {} |",
         ms(cs.brain_ready_seconds)
     );
     for (n, s) in &cs.actuators_ready_seconds {

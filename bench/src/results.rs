@@ -86,7 +86,8 @@ fn one() -> usize {
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ColdStart {
-    /// From spawning the brain to /readyz answering 200 (every initial list complete).
+    /// From spawning the brain to /readyz answering 200: every initial list complete and the
+    /// state they give computed and published (the log says when the lists were done).
     pub brain_ready_seconds: Option<f64>,
     /// From spawning the brain to each real actuator's /readyz answering 200.
     pub actuators_ready_seconds: BTreeMap<String, Option<f64>>,

@@ -424,7 +424,8 @@ impl Fanout {
         traces
     }
 
-    /// Marks the brain ready to serve (every initial list done) or stale (relisting).
+    /// Marks the brain ready to serve (every initial list done and the state it gives published)
+    /// or stale (relisting).
     pub fn set_synced(&self, synced: bool) {
         self.metrics
             .synced
