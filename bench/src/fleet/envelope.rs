@@ -18,13 +18,7 @@ pub(super) struct Envelope {
     pub base_generation: u64,
     pub snapshot: bool,
     /// Encoded bodies of every part so far.
-    pub bodies: Vec<Bytes>,
-    /// What identifies each body's content, in the same order: a hash of the bytes it came in
-    /// on the wire. [`super::shared`] keys shared models by these instead of hashing the bodies
-    /// again: a cold start's snapshot is a few hundred kilobytes compressed but megabytes
-    /// decompressed, and hashing those for every node was 13 % of the fleet's CPU in a cold
-    /// start at 5,000 nodes.
-    pub body_keys: Vec<u64>,
+    pub bodies: Vec<Body>,
     /// While the fields of a decompressed part are merged: the hash of its compressed bytes,
     /// and how many bodies it has yielded (a body's key is both).
     inflating: Option<(u64, u64)>,
@@ -36,11 +30,31 @@ pub(super) struct Envelope {
     pub wire_len: usize,
 }
 
+/// One encoded body (a snapshot's or a delta's part) as it arrived.
+#[derive(Debug, Clone)]
+pub(super) struct Body {
+    pub bytes: Bytes,
+    /// For a body that came inside a compressed part: the key of its content, from the
+    /// compressed bytes (see [`Body::key`]).
+    inner: Option<u64>,
+}
+
+impl Body {
+    /// What identifies the body's content: a hash of the bytes it came in on the wire.
+    /// [`super::shared`] keys shared models by it; for a body that came compressed that is the
+    /// hash of the compressed bytes (already made to find them decompressed), not of the
+    /// decompressed ones: a cold start's snapshot is a few hundred kilobytes compressed but
+    /// megabytes decompressed, and hashing those for every node was 13 % of the fleet's CPU in
+    /// a cold start at 5,000 nodes.
+    pub fn key(&self) -> u64 {
+        self.inner.unwrap_or_else(|| content_key(&self.bytes))
+    }
+}
+
 impl Envelope {
     /// Appends the next part of the same update (same generation).
     pub fn absorb(&mut self, next: Envelope) {
         self.bodies.extend(next.bodies);
-        self.body_keys.extend(next.body_keys);
         self.trigger_times.extend(next.trigger_times);
         self.wire_len += next.wire_len;
         self.digest = next.digest;
@@ -127,15 +141,11 @@ impl Message for Envelope {
                 self.snapshot = tag == 4;
                 // Inside a decompressed part: named by its compressed bytes (and its place
                 // among the bodies they hold), not hashed again decompressed.
-                let key = match &mut self.inflating {
-                    Some((blob, n)) => {
-                        *n += 1;
-                        inner_key(*blob, *n)
-                    }
-                    None => content_key(&b),
-                };
-                self.bodies.push(b);
-                self.body_keys.push(key);
+                let inner = self.inflating.as_mut().map(|(blob, n)| {
+                    *n += 1;
+                    inner_key(*blob, *n)
+                });
+                self.bodies.push(Body { bytes: b, inner });
                 Ok(())
             }
             6 => {
@@ -224,7 +234,7 @@ mod tests {
         }));
         let env = decode(&wire);
         assert_eq!(env.bodies.len(), 1);
-        assert_eq!(env.body_keys, vec![content_key(&env.bodies[0])]);
+        assert_eq!(env.bodies[0].key(), content_key(&env.bodies[0].bytes));
     }
 
     #[test]
@@ -232,17 +242,17 @@ mod tests {
         let plain = big_snapshot("a");
         let wire = splitproxy_proto::compress::compress_part(&plain).expect("compresses");
         let (one, two) = (decode(&wire), decode(&wire));
-        assert_eq!(one.bodies, two.bodies);
-        assert_eq!(one.body_keys.len(), 1);
-        assert_eq!(one.body_keys, two.body_keys);
+        assert_eq!(one.bodies[0].bytes, two.bodies[0].bytes);
+        assert_eq!(one.bodies.len(), 1);
+        assert_eq!(one.bodies[0].key(), two.bodies[0].key());
         // Not the key of the decompressed body: that one is never hashed.
-        assert_ne!(one.body_keys[0], content_key(&one.bodies[0]));
-        assert_eq!(one.bodies[0], decode(&plain).bodies[0]);
+        assert_ne!(one.bodies[0].key(), content_key(&one.bodies[0].bytes));
+        assert_eq!(one.bodies[0].bytes, decode(&plain).bodies[0].bytes);
         // What it took on the wire: the compressed bytes, not the decompressed.
         assert!(one.wire_len <= wire.len() && wire.len() < plain.len());
         // Other content, another key.
         let other = splitproxy_proto::compress::compress_part(&big_snapshot("b")).unwrap();
-        assert_ne!(decode(&other).body_keys, one.body_keys);
+        assert_ne!(decode(&other).bodies[0].key(), one.bodies[0].key());
     }
 
     #[test]
@@ -252,7 +262,7 @@ mod tests {
         let mut env = decode(&first);
         env.absorb(decode(&second));
         assert_eq!(env.bodies.len(), 2);
-        assert_eq!(env.body_keys.len(), 2);
-        assert_eq!(env.body_keys[1], content_key(&env.bodies[1]));
+        assert_ne!(env.bodies[0].key(), content_key(&env.bodies[0].bytes));
+        assert_eq!(env.bodies[1].key(), content_key(&env.bodies[1].bytes));
     }
 }

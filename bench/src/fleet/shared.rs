@@ -12,7 +12,7 @@ use prost::Message;
 use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Ruleset, RulesetDelta};
 
-use super::envelope::Envelope;
+use super::envelope::{Body, Envelope};
 
 /// How many shared states are kept before those no node holds any more are dropped.
 const KEEP_STATES: usize = 64;
@@ -51,7 +51,6 @@ impl SharedModels {
     /// last part. Checks the digest the brain sent, as a real actuator does.
     pub fn next_state(&self, env: &Envelope, held: Option<&Held>) -> Result<Held, String> {
         let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
-        let shared_keys = &env.body_keys[..shared.len()];
         // A delta names its base by generation, or, resumed by content, by digest.
         let by_content = env.base_generation == 0 && !env.snapshot && !env.base_digest.is_empty();
         if env.base_generation != 0 || by_content {
@@ -69,14 +68,14 @@ impl SharedModels {
             }
         }
         let base = held.filter(|_| env.base_generation != 0 || by_content);
-        let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared_keys);
+        let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
         let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
         let model = match cached {
             Some(m) => m,
             None => {
                 let mut m = base.map(|h| (*h.model).clone()).unwrap_or_default();
                 for b in shared {
-                    apply_part(&mut m, env.snapshot, b)?;
+                    apply_part(&mut m, env.snapshot, &b.bytes)?;
                 }
                 let m = self.dedup(m);
                 self.remember(key, m.clone());
@@ -84,7 +83,7 @@ impl SharedModels {
             }
         };
         let mut overlay = base.map(|h| (*h.overlay).clone()).unwrap_or_default();
-        apply_part(&mut overlay, env.snapshot, own)?;
+        apply_part(&mut overlay, env.snapshot, &own.bytes)?;
         if model.digest_with(&overlay) != env.digest {
             return Err("digest after applying differs from the brain's".into());
         }
@@ -128,20 +127,22 @@ impl SharedModels {
 }
 
 /// Identifies a shared model by the content of its base (its digest) and the content of the
-/// shared parts applied to it (their keys, [`Envelope::body_keys`]: hashes of the bytes they
-/// came in): every node at the same base gets the same bytes.
+/// shared parts applied to it (their keys, [`Body::key`]: hashes of the bytes they came in):
+/// every node at the same base gets the same bytes. The node's own last part is not hashed.
 ///
 /// By content, not by the path that led there: nodes reach one state along different paths
 /// (a slow node gets coalesced deltas), and keying by path gave every path its own key, so
 /// after a while of churn each node rebuilt the whole shared model itself on every update and
 /// the fleet's CPU went up with nodes times Services. A collision cannot go unnoticed: the
 /// node's digest check after applying would fail.
-fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[u64]) -> u64 {
+fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[Body]) -> u64 {
     use std::hash::{BuildHasher, Hash, Hasher};
     let mut h = foldhash::quality::FixedState::with_seed(0x5eed).build_hasher();
     base.map(Model::digest).hash(&mut h);
     snapshot.hash(&mut h);
-    parts.hash(&mut h);
+    for p in parts {
+        h.write_u64(p.key());
+    }
     h.finish()
 }
 
