@@ -47,6 +47,14 @@ pub enum ApplyError {
     Kernel(#[from] CommitError),
     #[error("digest after applying differs from the brain's")]
     Digest,
+    /// A restating delta (`Update.restating`, docs/protocol.md "Resumption") applied to what
+    /// this node holds does not lead to the brain's digest (or names none): the node held a
+    /// state outside the window the brain restated. Nothing was sent; the brain sends a
+    /// snapshot next.
+    #[error(
+        "restating delta does not reach the brain's digest from what this node holds (epoch {applied_epoch} generation {applied})"
+    )]
+    Restating { applied_epoch: u64, applied: u64 },
     /// An earlier apply panicked: what the applier holds is not known to match the kernel.
     #[error("the applier panicked; restart the actuator")]
     Panicked,
@@ -77,6 +85,11 @@ pub struct Applied {
     pub brain_epoch: u64,
     pub generation: u64,
     pub digest: Vec<u8>,
+    /// The API state the applied ruleset was computed from, as the update that brought it said
+    /// (`Update.resource_versions`); empty when unknown (nothing applied yet, tables adopted
+    /// from the kernel, or a brain that does not send them). Presented in `Hello`, it lets a
+    /// brain that never published this exact ruleset resume the node with a restating delta.
+    pub resource_versions: Vec<u64>,
 }
 
 /// What one committed update leaves for the steps that follow it (after_commit.rs), which
@@ -125,6 +138,12 @@ pub struct Applier<K = NftSocket> {
     reconcile_due: bool,
     /// Woken when `reconcile_due` is set, so the reconciler does not wait for its interval.
     wake: Option<std::sync::Arc<tokio::sync::Notify>>,
+}
+
+/// Whether `update` is a restating delta: resumed by API state, with no base named (neither
+/// generation nor digest), applied to whatever the node holds (`Update.restating`).
+fn is_restating(update: &Update) -> bool {
+    update.restating && update.base_generation == 0 && update.base_digest.is_empty()
 }
 
 impl<K: Kernel> Applier<K> {
@@ -186,14 +205,17 @@ impl<K: Kernel> Applier<K> {
             Body::Snapshot(r) => self.apply_snapshot(update, Model::from_ruleset(r)),
             Body::Delta(d) => {
                 // A delta names its base by this brain's epoch and generation, or, resumed on
-                // another replica or a restarted brain, by the digest of what it applies on
-                // (docs/protocol.md, "Resumption").
+                // another replica or a restarted brain, by the digest of what it applies on, or
+                // not at all: a restating delta applies to whatever the node holds, and only
+                // its digest after applying says whether it was right (docs/protocol.md,
+                // "Resumption").
                 let same_generation = update.brain_epoch == self.applied.brain_epoch
                     && update.base_generation == self.applied.generation;
                 let same_content = update.base_generation == 0
                     && !update.base_digest.is_empty()
                     && update.base_digest == self.applied.digest;
-                if !(same_generation || same_content) {
+                let restating = is_restating(update);
+                if !(same_generation || same_content || restating) {
                     return Err(ApplyError::WrongBase {
                         base_epoch: update.brain_epoch,
                         base: update.base_generation,
@@ -204,6 +226,16 @@ impl<K: Kernel> Applier<K> {
                 self.check_ownership(&d.upsert, &d.remove)?;
                 let mut next = self.model.clone();
                 next.apply(d);
+                if restating {
+                    // No base was checked: the digest is the only proof, so it must be there,
+                    // and a mismatch says why in the NACK. Model and kernel stay untouched.
+                    if update.digest.is_empty() || next.digest() != update.digest {
+                        return Err(ApplyError::Restating {
+                            applied_epoch: self.applied.brain_epoch,
+                            applied: self.applied.generation,
+                        });
+                    }
+                }
                 self.check_digest(update, &next)?;
                 // Encode the difference of the models, not the delta as sent: a delta may say
                 // things twice or out of order (a table removed and upserted, a set redefined
@@ -252,7 +284,14 @@ impl<K: Kernel> Applier<K> {
             brain_epoch: update.brain_epoch,
             generation: update.generation,
             digest: update.digest.clone(),
+            resource_versions: update.resource_versions.clone(),
         };
+        tracing::debug!(
+            generation = update.generation,
+            restating = update.restating,
+            resource_versions = ?update.resource_versions,
+            "committed update"
+        );
         Ok(Outcome {
             took,
             changed,

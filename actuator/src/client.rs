@@ -31,8 +31,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Uri};
 
 use crate::after_commit::AfterCommit;
-use crate::apply::Applier;
 use crate::apply::kernel::Kernel;
+use crate::apply::{Applied, Applier};
 use crate::credentials::Credentials;
 use crate::discovery::{Brains, DiscoveryConfig, EndpointSlices, SliceSource};
 use crate::health::Health;
@@ -294,16 +294,7 @@ async fn stream<K: Kernel + Send + 'static>(
         .clone();
     let (tx, rx) = mpsc::channel(4);
     tx.send(SyncRequest {
-        msg: Some(sync_request::Msg::Hello(Hello {
-            node: config.node.clone(),
-            applied: Some(v1::Applied {
-                brain_epoch: applied.brain_epoch,
-                generation: applied.generation,
-                digest: applied.digest,
-            }),
-            version: env!("CARGO_PKG_VERSION").into(),
-            encodings: vec![splitproxy_proto::compress::ZSTD.into()],
-        })),
+        msg: Some(sync_request::Msg::Hello(hello(&config.node, applied))),
     })
     .await?;
     let mut updates = client.sync(ReceiverStream::new(rx)).await?.into_inner();
@@ -350,50 +341,8 @@ async fn stream<K: Kernel + Send + 'static>(
         let mut update = update?;
         // A compressed part (`Update.zstd`) is decoded into the update in its place.
         splitproxy_proto::compress::inflate(&mut update, transport::MAX_UPDATE_MESSAGE)?;
-        if let Some(p) = &pending
-            && p.meta.generation != update.generation
-        {
-            anyhow::bail!(
-                "update parts of generations {} and {} interleave",
-                p.meta.generation,
-                update.generation
-            );
-        }
-        let p = pending.get_or_insert_with(|| Pending {
-            meta: Update::default(),
-            snapshot: None,
-            deltas: Vec::new(),
-        });
-        match update.body.take() {
-            Some(Body::Snapshot(r)) => {
-                let model = p.snapshot.get_or_insert_with(Model::default);
-                model.apply(&v1::RulesetDelta {
-                    upsert: r.tables,
-                    remove: Vec::new(),
-                });
-            }
-            Some(body @ Body::Delta(_)) => p.deltas.push(body),
-            None => {}
-        }
-        p.meta.trigger_times.append(&mut update.trigger_times);
-        p.meta.objects.append(&mut update.objects);
-        p.meta = Update {
-            trigger_times: std::mem::take(&mut p.meta.trigger_times),
-            objects: std::mem::take(&mut p.meta.objects),
-            ..update
-        };
-        if p.meta.more {
+        let Some(work) = take_part(&mut pending, update)? else {
             continue;
-        }
-        let Some(p) = pending.take() else { continue };
-        let work = match (p.snapshot, p.deltas) {
-            (Some(model), deltas) if deltas.is_empty() => Work::Snapshot(p.meta, model),
-            // Delta parts only join (no body at all: the applier refuses it, a NACK).
-            (None, deltas) => Work::Update(Update {
-                body: splitproxy_proto::parts::join(deltas).ok(),
-                ..p.meta
-            }),
-            _ => anyhow::bail!("update mixes snapshot and delta parts"),
         };
         let (ack, outcome) = apply(work, applier, health).await;
         let sent = tx
@@ -438,12 +387,84 @@ impl Drop for DriftForwarder {
     }
 }
 
+/// The `Hello` that opens a stream: the node, and what it has applied. Its resource versions
+/// (non-empty once an update that carried them was applied) also tell the brain that this
+/// actuator applies restating deltas (docs/protocol.md, "Resumption").
+fn hello(node: &str, applied: Applied) -> Hello {
+    Hello {
+        node: node.to_owned(),
+        applied: Some(v1::Applied {
+            brain_epoch: applied.brain_epoch,
+            generation: applied.generation,
+            digest: applied.digest,
+            resource_versions: applied.resource_versions,
+        }),
+        version: env!("CARGO_PKG_VERSION").into(),
+        encodings: vec![splitproxy_proto::compress::ZSTD.into()],
+    }
+}
+
 /// An update whose parts are still arriving.
 struct Pending {
-    /// Everything but the body, from the latest part (trigger times and objects collected).
+    /// Everything but the body, from the latest part (trigger times and objects collected):
+    /// what the last part alone carries (digest, base digest, resource versions, restating,
+    /// trace context, `more = false`) is the update's.
     meta: Update,
     snapshot: Option<Model>,
     deltas: Vec<Body>,
+}
+
+/// Takes one (inflated) part of an update into `pending`; once the last part arrived, the
+/// whole update to apply. Parts of two generations interleaving, or snapshot and delta parts
+/// in one update, are protocol errors that end the stream.
+fn take_part(pending: &mut Option<Pending>, mut update: Update) -> anyhow::Result<Option<Work>> {
+    if let Some(p) = pending.as_ref()
+        && p.meta.generation != update.generation
+    {
+        anyhow::bail!(
+            "update parts of generations {} and {} interleave",
+            p.meta.generation,
+            update.generation
+        );
+    }
+    let p = pending.get_or_insert_with(|| Pending {
+        meta: Update::default(),
+        snapshot: None,
+        deltas: Vec::new(),
+    });
+    match update.body.take() {
+        Some(Body::Snapshot(r)) => {
+            let model = p.snapshot.get_or_insert_with(Model::default);
+            model.apply(&v1::RulesetDelta {
+                upsert: r.tables,
+                remove: Vec::new(),
+            });
+        }
+        Some(body @ Body::Delta(_)) => p.deltas.push(body),
+        None => {}
+    }
+    p.meta.trigger_times.append(&mut update.trigger_times);
+    p.meta.objects.append(&mut update.objects);
+    p.meta = Update {
+        trigger_times: std::mem::take(&mut p.meta.trigger_times),
+        objects: std::mem::take(&mut p.meta.objects),
+        ..update
+    };
+    if p.meta.more {
+        return Ok(None);
+    }
+    let Some(p) = pending.take() else {
+        return Ok(None);
+    };
+    Ok(Some(match (p.snapshot, p.deltas) {
+        (Some(model), deltas) if deltas.is_empty() => Work::Snapshot(p.meta, model),
+        // Delta parts only join (no body at all: the applier refuses it, a NACK).
+        (None, deltas) => Work::Update(Update {
+            body: splitproxy_proto::parts::join(deltas).ok(),
+            ..p.meta
+        }),
+        _ => anyhow::bail!("update mixes snapshot and delta parts"),
+    }))
 }
 
 #[cfg(test)]

@@ -97,6 +97,7 @@ fn publication(
         version,
         shared: Arc::new(d.model().clone()),
         overlays: published.clone(),
+        api: Default::default(),
     })
 }
 

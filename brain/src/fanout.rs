@@ -8,6 +8,8 @@
 //! Every distinct update body (a delta between two published versions of the shared model, or
 //! a snapshot of one) is computed and encoded once and shared, as bytes, by every node that
 //! needs it; per node the brain only writes a few header fields (see `splitproxy_proto::frames`).
+mod restating;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -22,6 +24,7 @@ use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::{Ack, update::Body};
 use tokio::sync::watch;
 
+use crate::api_state::ApiState;
 use crate::history::History;
 use crate::metrics::{Metrics, Resumption};
 
@@ -46,6 +49,8 @@ pub struct Publication {
     /// Each node's own elements on top of the shared model (see [`crate::overlay`]); persistent,
     /// so a publication clones it in O(1).
     pub overlays: imbl::HashMap<String, Arc<Model>>,
+    /// The API state it was computed from (crate::api_state).
+    pub api: ApiState,
 }
 
 /// What a node needs next.
@@ -54,6 +59,24 @@ pub enum Next {
     Send(Vec<UpdateFrame>, Held),
     /// Nothing: it holds this state already.
     Current(Held),
+}
+
+/// Where a reconnecting node resumes ([`Fanout::resume_point`]).
+#[derive(Debug, Clone)]
+pub enum Resume {
+    /// It holds this state: a delta from it, or nothing.
+    Exact(Held),
+    /// It holds a state in the window that starts at this one: a restating delta
+    /// ([`Fanout::restating_update`]).
+    Window(Held),
+}
+
+impl Resume {
+    pub fn held(&self) -> &Held {
+        match self {
+            Resume::Exact(h) | Resume::Window(h) => h,
+        }
+    }
 }
 
 /// What a node holds (or is sent): a version of the shared model and its overlay.
@@ -77,16 +100,40 @@ impl Held {
     }
 }
 
+/// What an update applies on.
+enum Base<'a> {
+    /// Nothing: a snapshot.
+    Snapshot,
+    /// A state this brain published (acked here, or resumed by content).
+    Held(&'a Held),
+    /// Any state in a window of this brain's publications (crate::restate).
+    Window,
+}
+
+/// How an update names the base it applies on, beyond its generation.
+enum Named {
+    /// By generation (or none: a snapshot).
+    Generation,
+    /// Resumed by content: by the digest of the base (see [`Fanout::resume_point`]).
+    Digest(Vec<u8>),
+    /// A restating delta, which applies to any state in its window (crate::restate).
+    Restating,
+}
+
 /// The last part's node-specific fields: the node's own body and its digest, and for a delta
-/// resumed by content the digest of its base (see [`Fanout::resume_point`]).
-fn node_part(own: Body, digest: Vec<u8>, base_digest: Vec<u8>) -> Bytes {
+/// resumed by content the digest of its base, or the restating flag.
+fn node_part(own: Body, digest: Vec<u8>, named: Named) -> Bytes {
     let part = encode_node_part(own, digest);
-    if base_digest.is_empty() {
-        return part;
-    }
-    let base = splitproxy_proto::v1::Update {
-        base_digest,
-        ..Default::default()
+    let base = match named {
+        Named::Generation => return part,
+        Named::Digest(base_digest) => splitproxy_proto::v1::Update {
+            base_digest,
+            ..Default::default()
+        },
+        Named::Restating => splitproxy_proto::v1::Update {
+            restating: true,
+            ..Default::default()
+        },
     };
     let mut joined = Vec::with_capacity(part.len() + prost::Message::encoded_len(&base));
     joined.extend_from_slice(&part);
@@ -170,8 +217,9 @@ pub struct NodeState {
 /// Session ids, unique within the process.
 static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// Identifies an encoded body: (base version or 0 for a snapshot, target version).
-type BodyKey = (u64, u64);
+/// Identifies an encoded body: (base version or 0 for a snapshot, target version, whether it
+/// restates the window from that base, crate::restate).
+type BodyKey = (u64, u64, bool);
 
 /// The shared part of one update, encoded once for every node at the same base.
 struct EncodedBody {
@@ -253,6 +301,9 @@ pub struct Fanout {
     bodies: Mutex<HashMap<BodyKey, Arc<EncodedBody>>>,
     /// Encoded tails (trigger times, objects), shared by nodes to whom the same changes are news.
     tails: Mutex<HashMap<TailKey, Bytes>>,
+    /// What changed in the shared model over a window of publications, for restating deltas
+    /// (keyed as their bodies): every node in the window needs it for its own part too.
+    windows: Mutex<HashMap<BodyKey, Arc<crate::restate::Touched>>>,
     /// Whether the brain's view is recent enough to serve (see [`crate::freshness`]); true
     /// unless a freshness monitor says otherwise.
     fresh_tx: watch::Sender<bool>,
@@ -296,6 +347,7 @@ impl Fanout {
             changes: Mutex::new(VecDeque::new()),
             bodies: Mutex::new(HashMap::new()),
             tails: Mutex::new(HashMap::new()),
+            windows: Mutex::new(HashMap::new()),
             fresh_tx: watch::channel(true).0,
             stopping_tx: watch::channel(false).0,
             pending: Mutex::new(BTreeMap::new()),
@@ -322,7 +374,14 @@ impl Fanout {
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
     ) {
-        self.publish_traced(shared, overlays, trigger_times, objects, None);
+        self.publish_traced(
+            shared,
+            overlays,
+            trigger_times,
+            objects,
+            None,
+            ApiState::default(),
+        );
     }
 
     /// [`Fanout::publish`] with the context of the publication's span when its trace is
@@ -335,6 +394,7 @@ impl Fanout {
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
         trace: Option<opentelemetry::trace::SpanContext>,
+        api: ApiState,
     ) -> Option<u64> {
         let current = self.publication_tx.borrow().clone();
         let unchanged = current.version > 0
@@ -398,6 +458,7 @@ impl Fanout {
             version,
             shared,
             overlays,
+            api,
         });
         self.history.record(publication.clone());
         self.publication_tx.send_replace(publication);
@@ -530,7 +591,7 @@ impl Fanout {
             return Some(Next::Current(target));
         }
         let base_version = base.map(|b| b.version).unwrap_or(0);
-        let key = (base_version, desired.version);
+        let key = (base_version, desired.version, false);
         let shared = self.body(&key, || {
             EncodedBody::new(match base {
                 Some(b) => encode_parts(
@@ -545,25 +606,50 @@ impl Fanout {
             Some(b) => b.version,
             None => self.news_after(node, &target),
         };
-        let tail = self.tail((news_after, desired.version));
+        let tail = self.tail((news_after, desired.version), desired.api);
         let own = match base {
             Some(b) => Body::Delta(crate::overlay::delta(&b.overlay, &target.overlay)),
             None => Body::Snapshot(target.overlay.to_ruleset()),
         };
-        let (generation, base_generation, base_digest, zstd) = {
+        let named = match base {
+            Some(b) => Base::Held(b),
+            None => Base::Snapshot,
+        };
+        let frames = self.frames(node, &shared, tail, own, &target, named)?;
+        if base.is_none() {
+            self.metrics.snapshots_sent.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(Next::Send(frames, target))
+    }
+
+    /// The frames of one update to `node`, towards `target`: `shared`'s parts, then the last
+    /// part with `tail` and the node's own body. Counts the update sent.
+    fn frames(
+        &self,
+        node: &str,
+        shared: &EncodedBody,
+        tail: Bytes,
+        own: Body,
+        target: &Held,
+        base: Base,
+    ) -> Option<Vec<UpdateFrame>> {
+        let (generation, base_generation, named, zstd) = {
             let mut nodes = self.nodes.lock().ok()?;
             let st = node_state(&mut nodes, node);
             st.generation += 1;
-            let (base_generation, base_digest) = match base {
-                None => (0, Vec::new()),
+            let (base_generation, named) = match base {
+                Base::Snapshot => (0, Named::Generation),
+                Base::Window => (0, Named::Restating),
                 // Acked here: the base is named by its generation.
-                Some(_) if st.acked_generation != 0 => (st.acked_generation, Vec::new()),
+                Base::Held(_) if st.acked_generation != 0 => {
+                    (st.acked_generation, Named::Generation)
+                }
                 // Resumed by content and not acked here since: by its digest.
-                Some(b) => (0, b.digest()),
+                Base::Held(b) => (0, Named::Digest(b.digest())),
             };
-            (st.generation, base_generation, base_digest, st.zstd)
+            (st.generation, base_generation, named, st.zstd)
         };
-        let node_part = node_part(own, target.digest(), base_digest);
+        let node_part = node_part(own, target.digest(), named);
         let frame = |shared: Bytes, extra: Bytes| UpdateFrame {
             brain_epoch: self.epoch,
             generation,
@@ -582,10 +668,7 @@ impl Fanout {
         m.updates_sent.fetch_add(1, Ordering::Relaxed);
         m.update_bytes_sent
             .fetch_add(bytes as u64, Ordering::Relaxed);
-        if base.is_none() {
-            m.snapshots_sent.fetch_add(1, Ordering::Relaxed);
-        }
-        Some(Next::Send(frames, target))
+        Some(frames)
     }
 
     /// A node already holds what `held` (a newer version) describes: a publication that changed
@@ -641,13 +724,13 @@ impl Fanout {
     }
 
     /// The encoded tail for `key`: the trigger times and objects of the changes after `key.0`
-    /// up to `key.1`, built once.
-    fn tail(&self, key: TailKey) -> Bytes {
+    /// up to `key.1`, and the API state of `key.1`, built once.
+    fn tail(&self, key: TailKey, api: ApiState) -> Bytes {
         if let Some(t) = self.tails.lock().ok().and_then(|c| c.get(&key).cloned()) {
             return t;
         }
         let (trigger_times, objects) = self.changes_between(key.0, key.1);
-        let t = encode_tail(trigger_times, objects);
+        let t = encode_tail(trigger_times, objects, api.to_wire());
         if let Ok(mut c) = self.tails.lock() {
             if c.len() >= BODY_CACHE {
                 let newest = key.1;
@@ -720,23 +803,46 @@ impl Fanout {
     /// restart, computed from the same API state); else nothing, and it gets a snapshot. The
     /// digest equality is the proof that the node holds the base a delta is computed from, and
     /// the actuator checks it again (`Update.base_digest`) and the digest after applying.
+    ///
+    /// A node whose digest matches nothing remembered but that presents the API state its
+    /// ruleset was computed from (another replica's batches) is placed in a window of recent
+    /// publications instead, and gets a restating delta ([`Resume::Window`], crate::restate).
     pub fn resume_point(
         &self,
         node: &str,
         applied: Option<&splitproxy_proto::v1::Applied>,
-    ) -> Option<Held> {
-        let (held, kind) = match self.resume(node, applied) {
-            Some((held, kind)) => (Some(held), kind),
-            None => (None, Resumption::Snapshot),
+    ) -> Option<Resume> {
+        let (resume, kind) = match self.resume(node, applied) {
+            Some((held, kind)) => (Some(Resume::Exact(held)), kind),
+            None => match self.window(node, applied) {
+                Some(start) => (Some(Resume::Window(start)), Resumption::Restated),
+                None => (None, Resumption::Snapshot),
+            },
         };
         self.metrics.resumed(kind);
         tracing::info!(
             node,
             resumption = kind.as_str(),
-            version = held.as_ref().map(|h| h.version),
+            version = resume.as_ref().map(|r| r.held().version),
+            api = ?applied.map(|a| &a.resource_versions),
             "resuming node"
         );
-        held
+        resume
+    }
+
+    /// The start of the window of recent publications the node's state lies in (see
+    /// [`crate::history::History::window_start`]), when it presents the API state its ruleset
+    /// was computed from. The node does not hold it: nothing is recorded as acked.
+    fn window(&self, node: &str, applied: Option<&splitproxy_proto::v1::Applied>) -> Option<Held> {
+        let applied = applied.filter(|a| !a.digest.is_empty())?;
+        let api = ApiState::from_wire(&applied.resource_versions)?;
+        let start = self.history.window_start(&api)?;
+        if let Ok(mut nodes) = self.nodes.lock() {
+            let st = node_state(&mut nodes, node);
+            st.acked = None;
+            st.acked_generation = 0;
+        }
+        start.held(node)
     }
 
     fn resume(

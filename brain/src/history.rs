@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use splitproxy_proto::model::Model;
 
+use crate::api_state::ApiState;
 use crate::fanout::{Held, Publication};
 
 /// Publications kept, the current one included.
@@ -61,6 +62,40 @@ impl History {
             .rev()
             .filter_map(|p| p.held(node))
             .find(|h| h.digest() == digest)
+    }
+
+    /// Where a node that holds a state this brain never published stands: the newest
+    /// remembered publication made from API state that `api` (the state the node's ruleset was
+    /// computed from, by another replica) covers. Every event folded in there is folded in the
+    /// node's state too, so what the node holds differs from that publication only in objects
+    /// that changed after it (crate::restate). `None` when no such publication is remembered, or
+    /// `api` names nothing.
+    pub fn window_start(&self, api: &ApiState) -> Option<Arc<Publication>> {
+        if !api.known() {
+            return None;
+        }
+        let recent = self.recent.lock().ok()?;
+        recent.iter().rev().find(|p| api.covers(&p.api)).cloned()
+    }
+
+    /// The remembered publications from version `from` to `to`, in order: the steps a
+    /// restating delta spans. `None` unless every one of them is remembered and each was
+    /// derived from the one before (a rebuild in between shares nothing, and restating it
+    /// would cost a snapshot).
+    pub fn steps(&self, from: u64, to: u64) -> Option<Vec<Arc<Publication>>> {
+        let recent = self.recent.lock().ok()?;
+        let first = recent.iter().position(|p| p.version == from)?;
+        let steps: Vec<Arc<Publication>> = recent
+            .iter()
+            .skip(first)
+            .take_while(|p| p.version <= to)
+            .cloned()
+            .collect();
+        let whole = steps.last().is_some_and(|p| p.version == to)
+            && steps.windows(2).all(|w| {
+                w[1].version == w[0].version + 1 && same_lineage(&w[0].shared, &w[1].shared)
+            });
+        whole.then_some(steps)
     }
 
     /// The versions remembered, oldest first.
@@ -148,6 +183,15 @@ mod tests {
     }
 
     fn publication(version: u64, shared: &Model, overlay: Option<&Model>) -> Arc<Publication> {
+        at(version, shared, overlay, [version, 0, 0, 0])
+    }
+
+    fn at(
+        version: u64,
+        shared: &Model,
+        overlay: Option<&Model>,
+        api: [u64; 4],
+    ) -> Arc<Publication> {
         Arc::new(Publication {
             version,
             shared: Arc::new(shared.clone()),
@@ -155,7 +199,53 @@ mod tests {
                 .map(|o| ("n1".to_string(), Arc::new(o.clone())))
                 .into_iter()
                 .collect(),
+            api: ApiState::from_wire(&api).unwrap(),
         })
+    }
+
+    #[test]
+    fn a_window_starts_at_the_newest_publication_the_nodes_api_state_covers() {
+        let h = History::default();
+        let mut m = built([1]);
+        // Services at 10; slices at 20, 25, 31, 40.
+        for (v, slices) in [(1, 20), (2, 25), (3, 31), (4, 40)] {
+            m = changed(&m, v as u32 + 10);
+            h.record(at(v, &m, None, [10, slices, 5, 0]));
+        }
+        let start = |api: [u64; 4]| {
+            h.window_start(&ApiState::from_wire(&api).unwrap())
+                .map(|p| p.version)
+        };
+        // Another replica published after slice event 28: between versions 2 and 3.
+        assert_eq!(start([10, 28, 5, 0]), Some(2));
+        assert_eq!(start([10, 31, 5, 0]), Some(3));
+        assert_eq!(start([10, 99, 5, 0]), Some(4));
+        // Behind this brain on services: nothing here is covered.
+        assert_eq!(start([9, 99, 5, 0]), None);
+        // Before every remembered publication, or naming nothing.
+        assert_eq!(start([10, 19, 5, 0]), None);
+        assert_eq!(start([0, 0, 0, 0]), None);
+    }
+
+    #[test]
+    fn steps_are_consecutive_derived_publications() {
+        let h = History::default();
+        let mut m = built([1]);
+        h.record(publication(1, &m, None));
+        for v in 2..=4 {
+            m = changed(&m, v as u32);
+            h.record(publication(v, &m, None));
+        }
+        let versions = |s: Option<Vec<Arc<Publication>>>| {
+            s.map(|s| s.iter().map(|p| p.version).collect::<Vec<_>>())
+        };
+        assert_eq!(versions(h.steps(2, 4)), Some(vec![2, 3, 4]));
+        assert_eq!(versions(h.steps(4, 4)), Some(vec![4]));
+        assert_eq!(versions(h.steps(2, 9)), None, "not published yet");
+        assert_eq!(versions(h.steps(0, 4)), None, "not remembered");
+        // A rebuild in between shares nothing: no steps across it.
+        h.record(publication(5, &built([1, 2, 3, 4, 5, 6]), None));
+        assert_eq!(versions(h.steps(4, 5)), None);
     }
 
     #[test]

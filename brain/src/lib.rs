@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ack_deadline;
+pub mod api_state;
 pub mod auth;
 pub mod config;
 pub mod desired;
@@ -19,6 +20,7 @@ pub mod objects;
 pub mod overlay;
 pub mod pki;
 pub mod podcert;
+pub mod restate;
 pub mod rules;
 pub mod run;
 pub mod server;

@@ -47,7 +47,7 @@ pub struct Metrics {
     pub compressed_parts: AtomicU64,
     pub compress_micros_total: AtomicU64,
     /// Sessions started, by how the node was resumed ([`Resumption`]).
-    resumptions: [AtomicU64; 3],
+    resumptions: [AtomicU64; 4],
     /// Publication to the last connected node's ack.
     fanout: Seconds,
     /// Index change to published desired state.
@@ -186,14 +186,18 @@ pub enum Resumption {
     SameEpoch,
     /// From a recent publication whose content the node's digest proves it holds.
     ByContent,
+    /// From the window of recent publications the API state the node presents lies in, by a
+    /// restating delta (crate::restate): another replica's state this brain never published.
+    Restated,
     /// Nothing known: a snapshot.
     Snapshot,
 }
 
 impl Resumption {
-    pub const ALL: [Resumption; 3] = [
+    pub const ALL: [Resumption; 4] = [
         Resumption::SameEpoch,
         Resumption::ByContent,
+        Resumption::Restated,
         Resumption::Snapshot,
     ];
 
@@ -201,6 +205,7 @@ impl Resumption {
         match self {
             Resumption::SameEpoch => "same_epoch",
             Resumption::ByContent => "by_content",
+            Resumption::Restated => "restated",
             Resumption::Snapshot => "snapshot",
         }
     }

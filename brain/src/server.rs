@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::ack_deadline::AckDeadline;
 use crate::auth::{self, Groups, Refusal, Roles};
-use crate::fanout::{Fanout, Next, Publication};
+use crate::fanout::{Fanout, Next, Publication, Resume};
 use crate::freshness::Freshness;
 use crate::listener::{self, PeerInfo};
 use crate::node_watch;
@@ -565,9 +565,20 @@ async fn session(
         .wait_for(|s| *s)
         .await
         .map_err(|_| Status::unavailable("brain shutting down"))?;
-    let mut base = fanout.resume_point(node, hello.applied.as_ref());
+    // What the node holds: a state this brain published (`base`), or one in a window of them
+    // (`window`, another replica's; crate::restate), or nothing known (a snapshot).
+    let (mut base, mut window) = match fanout.resume_point(node, hello.applied.as_ref()) {
+        Some(Resume::Exact(held)) => (Some(held), None),
+        Some(Resume::Window(start)) => (None, Some(start)),
+        None => (None, None),
+    };
     let mut ack_deadline = AckDeadline::new(ACK_TIMEOUT);
-    tracing::info!(node, resume = base.is_some(), "serving node");
+    tracing::info!(
+        node,
+        resume = base.is_some(),
+        window = window.is_some(),
+        "serving node"
+    );
     loop {
         let desired = desired_rx.borrow_and_update().clone();
         if !fanout.synced() {
@@ -581,8 +592,8 @@ async fn session(
         // A snapshot is the whole ruleset, copied into the stream's buffers until the node has
         // read it; bounding how many are in flight bounds the brain's memory when thousands of
         // nodes (re)connect at once. The permit is held until the node acks.
-        let _permit = match base {
-            None => Some(
+        let _permit = match (&base, &window) {
+            (None, None) => Some(
                 fanout
                     .snapshot_permits
                     .clone()
@@ -590,9 +601,18 @@ async fn session(
                     .await
                     .map_err(|_| Status::unavailable("shutting down"))?,
             ),
-            Some(_) => None,
+            _ => None,
         };
-        let (mut frames, target) = match fanout.next_update(node, base.as_ref(), &desired) {
+        let restating = window.take();
+        let next = match &restating {
+            Some(start) => match fanout.restating_update(node, start, &desired) {
+                Some(next) => Some(next),
+                // The window is no longer remembered whole: a snapshot, with a permit.
+                None => continue,
+            },
+            None => fanout.next_update(node, base.as_ref(), &desired),
+        };
+        let (mut frames, target) = match next {
             Some(Next::Send(frames, target)) => (frames, target),
             other => {
                 if let Some(Next::Current(held)) = other {
@@ -611,7 +631,7 @@ async fn session(
         let traced = crate::trace::node_send(
             fanout,
             node,
-            base.as_ref().map(|b| b.version),
+            base.as_ref().or(restating.as_ref()).map(|b| b.version),
             target.version,
             &mut frames,
         );
@@ -619,7 +639,8 @@ async fn session(
             node,
             generation,
             parts,
-            snapshot = base.is_none(),
+            snapshot = base.is_none() && restating.is_none(),
+            restating = restating.is_some(),
             "sending update"
         );
         tx.send(Ok(frames))

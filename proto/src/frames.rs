@@ -137,12 +137,17 @@ const RULESET_TABLES: u32 = 1;
 const TABLE_SETS: u32 = 5;
 const SET_ELEMENTS: u32 = 9;
 
-/// The last part's shared fields: trigger times and objects.
-pub fn encode_tail(trigger_times: Vec<prost_types::Timestamp>, objects: Vec<String>) -> Bytes {
+/// The last part's shared fields: trigger times, objects and the API state of the target.
+pub fn encode_tail(
+    trigger_times: Vec<prost_types::Timestamp>,
+    objects: Vec<String>,
+    resource_versions: Vec<u64>,
+) -> Bytes {
     Bytes::from(
         Update {
             trigger_times,
             objects,
+            resource_versions,
             ..Default::default()
         }
         .encode_to_vec(),
@@ -356,10 +361,12 @@ mod tests {
                 nanos: 6,
             }],
             vec!["EndpointSlice a/b".into()],
+            vec![11, 12, 13, 0],
         );
         let own = encode_node_part(Body::Delta(delta.clone()), vec![1, 2, 3]);
         let u = decode(&frame(tail, own));
         assert_eq!(u.body, Some(Body::Delta(delta)));
+        assert_eq!(u.resource_versions, vec![11, 12, 13, 0]);
         assert_eq!(u.trigger_times[0].nanos, 6);
         assert_eq!(u.objects, vec!["EndpointSlice a/b".to_string()]);
         assert_eq!(u.digest, vec![1, 2, 3]);
@@ -367,7 +374,7 @@ mod tests {
         assert!(u.traceparent.is_empty(), "no trace context unless set");
         // A trace context joins the node's part; the rest decodes as before.
         let own = encode_node_part(Body::Delta(RulesetDelta::default()), vec![1, 2, 3]);
-        let tail = encode_tail(vec![], vec!["Service a/b".into()]);
+        let tail = encode_tail(vec![], vec!["Service a/b".into()], vec![]);
         let mut traced = frame(tail, own);
         let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
         set_traceparent(&mut traced, tp.into());

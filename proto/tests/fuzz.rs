@@ -315,6 +315,7 @@ fn frames_of(body: Body, max_elements: usize, digest: Vec<u8>) -> Vec<Vec<u8>> {
             nanos: 2,
         }],
         vec!["EndpointSlice a/b".into()],
+        vec![1, 2, 3, 4],
     );
     // The node's own part has the body's kind, as the brain sends it (brain/src/fanout.rs).
     let own = match body_kind {

@@ -643,6 +643,7 @@ fn check(
                     brain_epoch: update.brain_epoch,
                     generation: update.generation,
                     digest: update.digest.clone(),
+                    resource_versions: update.resource_versions.clone(),
                 }
             );
             prop_assert!(a.adopted);

@@ -248,7 +248,9 @@ impl<K: Kernel> Applier<K> {
 
     /// Takes the owned tables the kernel holds as the applied model, before any brain answers
     /// (restart without disruption): health checks, readiness and the conntrack resync work at
-    /// once, and `Hello` carries the digest of what the node holds (epoch and generation 0).
+    /// once, and `Hello` carries the digest of what the node holds (epoch and generation 0; no
+    /// resource versions: the kernel does not say which API state its tables came from, so the
+    /// brain resumes the node by content or with a snapshot, never with a restating delta).
     /// `None` when the kernel holds no owned table; an error when it holds one this actuator
     /// cannot read back, in which case nothing changes and the first snapshot replaces it.
     pub fn adopt(&mut self) -> Result<Option<Outcome>, ReadError> {
@@ -262,6 +264,7 @@ impl<K: Kernel> Applier<K> {
             brain_epoch: 0,
             generation: 0,
             digest: model.digest(),
+            resource_versions: Vec::new(),
         };
         self.model = model;
         self.adopted = true;

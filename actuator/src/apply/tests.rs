@@ -157,6 +157,7 @@ fn the_first_snapshot_replaces_the_tables_in_one_batch() {
             brain_epoch: 4,
             generation: 1,
             digest: Model::from_ruleset(&rs).digest(),
+            resource_versions: vec![],
         }
     );
     assert_eq!(a.model(), &Model::from_ruleset(&rs));
@@ -357,6 +358,221 @@ fn a_delta_on_another_generation_or_epoch_is_refused() {
     assert_eq!(a.kernel().committed().len(), 1, "nothing sent");
     a.apply(&good).unwrap();
     assert_eq!(a.applied().generation, 2);
+}
+
+// ---- restating deltas: resumed by API state, applied to whatever the node holds ----
+
+/// A restating delta (another replica's node resumed by API state) taking what it applies to
+/// to `target`: epoch 9, no base named, the digest of `target`.
+fn restating(d: RulesetDelta, target: &Model) -> Update {
+    Update {
+        brain_epoch: 9,
+        generation: 5,
+        base_generation: 0,
+        base_digest: Vec::new(),
+        restating: true,
+        resource_versions: vec![10, 20, 30, 40],
+        digest: target.digest(),
+        body: Some(Body::Delta(d)),
+        ..Update::default()
+    }
+}
+
+/// Restates endpoint slots 2 and 3 and adds a member: from the brain's notional base
+/// `ruleset(2)`, or from `ruleset(3)` (within the window), it reaches the same target.
+fn restating_delta() -> (RulesetDelta, Model) {
+    let new_member = member("10.96.0.10", UDP, 53, "10.244.0.3", 5353);
+    let mut d = add(
+        endpoints_map(ENDPOINTS, IpFamily::V4, vec![]),
+        endpoints(4)[2..].to_vec(),
+    );
+    d.upsert[0].sets.push(Set {
+        elements: vec![new_member],
+        ..members_set(IpFamily::V4, vec![])
+    });
+    let mut target = Model::from_ruleset(&ruleset(2));
+    target.apply(&d);
+    (d, target)
+}
+
+#[test]
+fn a_restating_delta_applies_to_what_the_node_holds_when_it_reaches_the_digest() {
+    let (d, target) = restating_delta();
+    // The node holds ruleset(3), not the brain's notional base ruleset(2).
+    let mut a = adopted(3);
+    assert_ne!(
+        a.model().digest(),
+        Model::from_ruleset(&ruleset(2)).digest()
+    );
+    let update = restating(d, &target);
+    a.apply(&update).unwrap();
+
+    assert_eq!(a.model(), &target);
+    assert_eq!(
+        a.applied(),
+        &Applied {
+            brain_epoch: 9,
+            generation: 5,
+            digest: target.digest(),
+            resource_versions: vec![10, 20, 30, 40],
+        },
+        "the node now stands on the new brain's generations"
+    );
+    // The kernel got the difference of the models, not the delta as sent: slot 2, which the
+    // node held with the same value, is not sent again.
+    let sent = a.kernel().committed();
+    assert_eq!(sent.len(), 2);
+    let mut m = sent[1].messages.clone();
+    m.sort();
+    assert_eq!(
+        m,
+        vec![
+            format!("add elements to set {MEMBERS} (elements 0..=0 of the call)"),
+            format!("add elements to set {ENDPOINTS} (elements 0..=0 of the call)"),
+        ]
+    );
+    // The same batch as a delta by generation carrying that difference.
+    let mut twin = adopted(3);
+    twin.apply(&delta(&twin, twin.model().diff(&target)))
+        .unwrap();
+    assert_eq!(
+        twin.kernel().last().unwrap().messages,
+        sent[1].messages,
+        "the batch is the model diff"
+    );
+
+    // The next delta names its base by the new generation again.
+    let next = delta(&a, remove(ENDPOINTS, vec![endpoints(4).remove(3)]));
+    assert_eq!((next.brain_epoch, next.base_generation), (9, 5));
+    a.apply(&next).unwrap();
+    assert_eq!(a.applied().generation, 6);
+}
+
+#[test]
+fn a_restating_delta_that_misses_the_digest_is_refused_with_nothing_sent() {
+    // Removes endpoint slot 0: from ruleset(2) (the digest's base), not from ruleset(3).
+    let d = remove(ENDPOINTS, vec![endpoints(3).remove(0)]);
+    let mut target = Model::from_ruleset(&ruleset(2));
+    target.apply(&d);
+    let mut a = adopted(3);
+    let before = state(&a);
+    for update in [
+        restating(d.clone(), &target),
+        // No digest: nothing would prove what it leads to.
+        Update {
+            digest: Vec::new(),
+            ..restating(d.clone(), &target)
+        },
+    ] {
+        let err = a.apply(&update).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ApplyError::Restating {
+                    applied_epoch: 1,
+                    applied: 1
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("restating delta does not reach the brain's digest"),
+            "{err}"
+        );
+        assert_eq!(state(&a), before, "model and applied version unchanged");
+        assert_eq!(a.kernel().committed().len(), 1, "nothing sent");
+        assert!(a.kernel().refused().is_empty());
+        assert!(!a.replaces_next_snapshot(), "the kernel was not asked");
+    }
+    // The brain's snapshot follows, diffed against the untouched model.
+    a.apply(&snapshot(9, 6, &ruleset(2))).unwrap();
+    assert_eq!(a.model(), &Model::from_ruleset(&ruleset(2)));
+}
+
+#[test]
+fn a_delta_naming_no_base_is_refused_unless_it_is_restating() {
+    let (d, target) = restating_delta();
+    let mut a = adopted(3);
+    let before = state(&a);
+    for wrong in [
+        // Neither generation nor digest nor restating: no base at all.
+        Update {
+            restating: false,
+            ..restating(d.clone(), &target)
+        },
+        // Restating only when no base is named: a wrong base digest is still a wrong base.
+        Update {
+            base_digest: vec![0; 16],
+            ..restating(d.clone(), &target)
+        },
+        // And a base generation is checked as always.
+        Update {
+            base_generation: 4,
+            ..restating(d.clone(), &target)
+        },
+    ] {
+        let err = a.apply(&wrong).unwrap_err();
+        assert!(matches!(err, ApplyError::WrongBase { .. }), "{err:?}");
+        assert_eq!(state(&a), before);
+    }
+    assert_eq!(a.kernel().committed().len(), 1, "nothing sent");
+}
+
+#[test]
+fn applied_resource_versions_follow_the_last_committed_update() {
+    let mut a = Applier::new(Recording::new(), TABLE.to_owned());
+    assert!(a.applied().resource_versions.is_empty());
+    a.apply(&Update {
+        resource_versions: vec![1, 2, 3, 4],
+        ..snapshot(1, 1, &ruleset(3))
+    })
+    .unwrap();
+    assert_eq!(a.applied().resource_versions, vec![1, 2, 3, 4]);
+
+    let d = delta(&a, remove(ENDPOINTS, vec![endpoints(3).remove(2)]));
+    a.apply(&Update {
+        resource_versions: vec![1, 5, 3, 4],
+        ..d
+    })
+    .unwrap();
+    assert_eq!(a.applied().resource_versions, vec![1, 5, 3, 4]);
+
+    // A refused update leaves them as they were.
+    let d = delta(&a, remove(ENDPOINTS, vec![endpoints(3).remove(1)]));
+    let refused = Update {
+        resource_versions: vec![9, 9, 9, 9],
+        digest: vec![0; 16],
+        ..d.clone()
+    };
+    assert!(a.apply(&refused).is_err());
+    assert_eq!(a.applied().resource_versions, vec![1, 5, 3, 4]);
+    a.kernel_mut().refuse_next(2, "No such file or directory");
+    assert!(
+        a.apply(&Update {
+            resource_versions: vec![9, 9, 9, 9],
+            ..d
+        })
+        .is_err()
+    );
+    assert_eq!(a.applied().resource_versions, vec![1, 5, 3, 4]);
+
+    // A restating delta's, and a snapshot folded from parts (metadata apart from the model).
+    let (d, target) = restating_delta();
+    let mut b = adopted(3);
+    b.apply(&restating(d, &target)).unwrap();
+    assert_eq!(b.applied().resource_versions, vec![10, 20, 30, 40]);
+    let rs = ruleset(2);
+    let meta = Update {
+        body: None,
+        resource_versions: vec![11, 21, 31, 41],
+        ..snapshot(9, 6, &rs)
+    };
+    b.apply_snapshot(&meta, Model::from_ruleset(&rs)).unwrap();
+    assert_eq!(b.applied().resource_versions, vec![11, 21, 31, 41]);
+    // An update from a brain that does not send them: unknown again, not the old ones.
+    b.apply(&snapshot(9, 7, &rs)).unwrap();
+    assert!(b.applied().resource_versions.is_empty());
 }
 
 #[test]
@@ -662,6 +878,7 @@ fn adoption_takes_the_kernels_tables_as_the_applied_model() {
             brain_epoch: 0,
             generation: 0,
             digest: held.digest(),
+            resource_versions: vec![],
         }
     );
     // The brain's snapshot of the same state costs nothing; of another, the difference.

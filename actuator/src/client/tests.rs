@@ -290,3 +290,144 @@ async fn without_a_token_nothing_is_sent_and_an_unreadable_one_is_named() {
     let c = calls(&recorded, 1).await;
     assert_eq!(c[0].authorization, None);
 }
+
+// ---- what the stream sends and how it joins parts, without a brain ----
+
+/// The Hello presents what the applier applied, resource versions included: they also say the
+/// node applies restating deltas.
+#[test]
+fn hello_presents_the_applied_state_with_its_resource_versions() {
+    let applied = Applied {
+        brain_epoch: 3,
+        generation: 7,
+        digest: vec![1; 16],
+        resource_versions: vec![10, 20, 30, 40],
+    };
+    let h = hello("node-1", applied);
+    assert_eq!(h.node, "node-1");
+    assert_eq!(
+        h.applied,
+        Some(v1::Applied {
+            brain_epoch: 3,
+            generation: 7,
+            digest: vec![1; 16],
+            resource_versions: vec![10, 20, 30, 40],
+        })
+    );
+    // Nothing applied: zero values, no resource versions (no restating delta for it).
+    let h = hello("node-1", Applied::default());
+    assert_eq!(h.applied, Some(v1::Applied::default()));
+}
+
+/// The table `ip splitproxy` with `comment` and one chain `name`, as a part's body.
+fn shell(comment: &str, chain: &str) -> v1::Table {
+    v1::Table {
+        family: v1::Family::Ip as i32,
+        name: "splitproxy".to_owned(),
+        comment: comment.to_owned(),
+        chains: vec![v1::Chain {
+            name: chain.to_owned(),
+            ..v1::Chain::default()
+        }],
+        ..v1::Table::default()
+    }
+}
+
+/// What the brain puts in the last part only (digest, resource versions, restating) reaches
+/// the update the applier gets, for joined delta parts and for snapshot parts folded into a
+/// model; the applier then keeps the resource versions with what it applied.
+#[tokio::test]
+async fn the_last_part_brings_resource_versions_and_restating_to_the_joined_update() {
+    let delta_part = |chain: &str, more: bool| Update {
+        brain_epoch: 2,
+        generation: 4,
+        body: Some(Body::Delta(v1::RulesetDelta {
+            upsert: vec![shell("t", chain)],
+            remove: vec![],
+        })),
+        more,
+        ..Update::default()
+    };
+    let mut target = Model::default();
+    target.apply(&v1::RulesetDelta {
+        upsert: vec![shell("t", "a"), shell("t", "b")],
+        remove: vec![],
+    });
+    let last = Update {
+        digest: target.digest(),
+        resource_versions: vec![1, 2, 3, 4],
+        restating: true,
+        ..delta_part("b", false)
+    };
+    let mut pending = None;
+    assert!(
+        take_part(&mut pending, delta_part("a", true))
+            .unwrap()
+            .is_none()
+    );
+    let Some(Work::Update(joined)) = take_part(&mut pending, last).unwrap() else {
+        panic!("the last part completes a delta update")
+    };
+    assert!(pending.is_none());
+    assert_eq!(joined.resource_versions, vec![1, 2, 3, 4]);
+    assert!(joined.restating && !joined.more);
+    assert_eq!(joined.digest, target.digest());
+    let Some(Body::Delta(d)) = &joined.body else {
+        panic!("joined delta body")
+    };
+    assert_eq!(d.upsert[0].chains.len(), 2, "both parts' chains");
+
+    // A restating delta names no base, so a fresh applier takes it: it reaches the digest.
+    let applier = Arc::new(Mutex::new(Applier::new(
+        Recording::new(),
+        "splitproxy".to_owned(),
+    )));
+    let health = Arc::new(Health::default());
+    let (ack, outcome) = answer::apply(Work::Update(joined), &applier, &health).await;
+    assert!(ack.ok, "{}", ack.error);
+    assert!(outcome.is_some());
+    assert_eq!(
+        applier.lock().unwrap().applied().resource_versions,
+        vec![1, 2, 3, 4]
+    );
+
+    // Snapshot parts fold into a model; the metadata kept for it is the last part's.
+    let snapshot_part = |chain: &str, more: bool| Update {
+        brain_epoch: 2,
+        generation: 5,
+        body: Some(Body::Snapshot(v1::Ruleset {
+            tables: vec![shell("t", chain)],
+        })),
+        more,
+        ..Update::default()
+    };
+    assert!(
+        take_part(&mut pending, snapshot_part("a", true))
+            .unwrap()
+            .is_none()
+    );
+    let last = Update {
+        digest: target.digest(),
+        resource_versions: vec![5, 6, 7, 8],
+        ..snapshot_part("b", false)
+    };
+    let Some(Work::Snapshot(meta, model)) = take_part(&mut pending, last).unwrap() else {
+        panic!("the last part completes a snapshot")
+    };
+    assert_eq!(model, target);
+    assert_eq!(meta.resource_versions, vec![5, 6, 7, 8]);
+    let (ack, _) = answer::apply(Work::Snapshot(meta, model), &applier, &health).await;
+    assert!(ack.ok, "{}", ack.error);
+    assert_eq!(
+        applier.lock().unwrap().applied().resource_versions,
+        vec![5, 6, 7, 8]
+    );
+
+    // Parts of two generations interleaving end the stream.
+    assert!(
+        take_part(&mut pending, snapshot_part("a", true))
+            .unwrap()
+            .is_none()
+    );
+    assert!(take_part(&mut pending, delta_part("a", false)).is_err());
+}

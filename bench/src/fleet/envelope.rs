@@ -26,6 +26,12 @@ pub(super) struct Envelope {
     pub digest: Vec<u8>,
     /// A delta resumed by content names its base by digest (`base_generation` 0).
     pub base_digest: Vec<u8>,
+    /// The API state the update's ruleset was computed from (`Update.resource_versions`), which
+    /// the node presents in its next Hello. In the last part.
+    pub resource_versions: Vec<u64>,
+    /// A delta resumed by API state, applied to whatever the node holds (`Update.restating`).
+    /// In the last part.
+    pub restating: bool,
     pub more: bool,
     pub wire_len: usize,
 }
@@ -57,8 +63,12 @@ impl Envelope {
         self.bodies.extend(next.bodies);
         self.trigger_times.extend(next.trigger_times);
         self.wire_len += next.wire_len;
+        // What only the last part carries is the update's: the latest part's, as the actuator
+        // keeps the last part's fields (client.rs).
         self.digest = next.digest;
         self.base_digest = next.base_digest;
+        self.resource_versions = next.resource_versions;
+        self.restating = next.restating;
         self.more = next.more;
     }
 }
@@ -164,6 +174,9 @@ impl Message for Envelope {
             8 => bytes::merge(wire_type, &mut self.digest, buf, ctx),
             9 => prost::encoding::bool::merge(wire_type, &mut self.more, buf, ctx),
             10 => bytes::merge(wire_type, &mut self.base_digest, buf, ctx),
+            // Packed or not: merge_repeated takes both.
+            13 => uint64::merge_repeated(wire_type, &mut self.resource_versions, buf, ctx),
+            14 => prost::encoding::bool::merge(wire_type, &mut self.restating, buf, ctx),
             12 => {
                 let mut compressed = Bytes::new();
                 bytes::merge(wire_type, &mut compressed, buf, ctx)?;
@@ -253,6 +266,43 @@ mod tests {
         // Other content, another key.
         let other = splitproxy_proto::compress::compress_part(&big_snapshot("b")).unwrap();
         assert_ne!(decode(&other).bodies[0].key(), one.bodies[0].key());
+    }
+
+    #[test]
+    fn the_last_part_brings_resource_versions_and_restating() {
+        let last = Update {
+            generation: 3,
+            body: Some(Body::Delta(RulesetDelta::default())),
+            digest: vec![7; 16],
+            resource_versions: vec![10, 0, 30, u64::MAX],
+            restating: true,
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let mut env = decode(&part(Body::Delta(RulesetDelta::default())));
+        assert!(env.more && !env.restating && env.resource_versions.is_empty());
+        env.absorb(decode(&last));
+        assert_eq!(env.resource_versions, vec![10, 0, 30, u64::MAX]);
+        assert!(env.restating && !env.more);
+        assert_eq!(env.digest, vec![7; 16]);
+        assert_eq!(env.bodies.len(), 2);
+
+        // Unpacked repeated values (a proto2-style encoder) read the same.
+        let mut unpacked = Vec::new();
+        for v in [10u64, 0, 30, u64::MAX] {
+            prost::encoding::uint64::encode(13, &v, &mut unpacked);
+        }
+        prost::encoding::bool::encode(14, &true, &mut unpacked);
+        let env = decode(&unpacked);
+        assert_eq!(env.resource_versions, vec![10, 0, 30, u64::MAX]);
+        assert!(env.restating);
+
+        // Inside a compressed part too.
+        let mut big = Update::decode(&big_snapshot("a")[..]).unwrap();
+        big.more = false;
+        big.resource_versions = vec![1, 2, 3, 4];
+        let wire = splitproxy_proto::compress::compress_part(&big.encode_to_vec()).unwrap();
+        assert_eq!(decode(&wire).resource_versions, vec![1, 2, 3, 4]);
     }
 
     #[test]

@@ -273,6 +273,7 @@ impl VirtualFleet {
             brain_epoch: h.epoch,
             generation: h.generation,
             digest: h.digest(),
+            resource_versions: h.resource_versions.clone(),
         });
         let hello = SyncRequest {
             msg: Some(sync_request::Msg::Hello(Hello {

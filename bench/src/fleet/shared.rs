@@ -25,6 +25,9 @@ pub(super) struct Held {
     pub model: Arc<Model>,
     /// The node's own elements.
     pub overlay: Arc<Model>,
+    /// The API state the held ruleset was computed from, as the update that brought it said;
+    /// presented in Hello, so the brain may resume the node with a restating delta.
+    pub resource_versions: Vec<u64>,
 }
 
 impl Held {
@@ -51,11 +54,20 @@ impl SharedModels {
     /// last part. Checks the digest the brain sent, as a real actuator does.
     pub fn next_state(&self, env: &Envelope, held: Option<&Held>) -> Result<Held, String> {
         let (own, shared) = env.bodies.split_last().ok_or("update without a body")?;
-        // A delta names its base by generation, or, resumed by content, by digest.
+        // A delta names its base by generation, or, resumed by content, by digest, or,
+        // restating (resumed by API state), not at all: it applies to whatever the node holds,
+        // and only the digest after applying says whether that was right.
         let by_content = env.base_generation == 0 && !env.snapshot && !env.base_digest.is_empty();
-        if env.base_generation != 0 || by_content {
+        let restating = env.restating
+            && env.base_generation == 0
+            && !env.snapshot
+            && env.base_digest.is_empty();
+        let on_held = env.base_generation != 0 || by_content || restating;
+        if on_held {
             let h = held.ok_or("delta without a base")?;
-            let same = if by_content {
+            let same = if restating {
+                true
+            } else if by_content {
                 h.model.digest_with(&h.overlay) == env.base_digest
             } else {
                 h.epoch == env.brain_epoch && h.generation == env.base_generation
@@ -67,7 +79,7 @@ impl SharedModels {
                 ));
             }
         }
-        let base = held.filter(|_| env.base_generation != 0 || by_content);
+        let base = held.filter(|_| on_held);
         let key = shared_key(base.map(|h| &*h.model), env.snapshot, shared);
         let cached = self.states.lock().ok().and_then(|s| s.get(&key).cloned());
         let model = match cached {
@@ -85,13 +97,19 @@ impl SharedModels {
         let mut overlay = base.map(|h| (*h.overlay).clone()).unwrap_or_default();
         apply_part(&mut overlay, env.snapshot, &own.bytes)?;
         if model.digest_with(&overlay) != env.digest {
-            return Err("digest after applying differs from the brain's".into());
+            return Err(if restating {
+                "restating delta does not reach the brain's digest from what this node holds"
+            } else {
+                "digest after applying differs from the brain's"
+            }
+            .into());
         }
         Ok(Held {
             epoch: env.brain_epoch,
             generation: env.generation,
             model,
             overlay: Arc::new(overlay),
+            resource_versions: env.resource_versions.clone(),
         })
     }
 
@@ -135,6 +153,11 @@ impl SharedModels {
 /// after a while of churn each node rebuilt the whole shared model itself on every update and
 /// the fleet's CPU went up with nodes times Services. A collision cannot go unnoticed: the
 /// node's digest check after applying would fail.
+///
+/// How the delta names its base (generation, digest, or not at all for a restating delta)
+/// does not enter the key: it decides only whether a node may apply it, and the result of
+/// applying the same parts to the same base content is the same model either way. A restating
+/// delta applied to two different bases gets two keys, as their digests differ.
 fn shared_key(base: Option<&Model>, snapshot: bool, parts: &[Body]) -> u64 {
     use std::hash::{BuildHasher, Hash, Hasher};
     let mut h = foldhash::quality::FixedState::with_seed(0x5eed).build_hasher();
@@ -159,4 +182,144 @@ fn apply_part(model: &mut Model, snapshot: bool, bytes: &Bytes) -> Result<(), St
         model.apply(&d);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use splitproxy_proto::v1::{Chain, Family, Table, Update, update};
+
+    /// Table `ip splitproxy` with the chains `names` (each chain is one shared object).
+    fn table(names: &[&str]) -> Table {
+        Table {
+            family: Family::Ip as i32,
+            name: "splitproxy".to_owned(),
+            chains: names
+                .iter()
+                .map(|n| Chain {
+                    name: (*n).to_owned(),
+                    ..Chain::default()
+                })
+                .collect(),
+            ..Table::default()
+        }
+    }
+
+    fn model(names: &[&str]) -> Model {
+        Model::from_ruleset(&Ruleset {
+            tables: vec![table(names)],
+        })
+    }
+
+    /// The envelope of one update, as a node reads it: `shared` parts then the node's own
+    /// (empty) part, with the digest of `target` and the last part's fields.
+    fn envelope(update: Update, shared: Vec<update::Body>) -> Envelope {
+        let mut env = Envelope::default();
+        let parts = shared.into_iter().chain([match &update.body {
+            Some(update::Body::Snapshot(_)) => update::Body::Snapshot(Ruleset::default()),
+            _ => update::Body::Delta(RulesetDelta::default()),
+        }]);
+        let n = parts.clone().count();
+        for (i, body) in parts.enumerate() {
+            let part = Update {
+                body: Some(body),
+                more: i + 1 < n,
+                ..update.clone()
+            };
+            let next = Envelope::decode(&part.encode_to_vec()[..]).unwrap();
+            if i == 0 {
+                env = next;
+            } else {
+                env.absorb(next);
+            }
+        }
+        env
+    }
+
+    /// A node that applied a snapshot of chains `names` (epoch 1, generation `generation`).
+    fn holding(shared: &SharedModels, names: &[&str], generation: u64) -> Held {
+        let m = model(names);
+        let env = envelope(
+            Update {
+                brain_epoch: 1,
+                generation,
+                digest: m.digest_with(&Model::default()),
+                resource_versions: vec![generation, 0, 0, 0],
+                body: Some(update::Body::Snapshot(Ruleset::default())),
+                ..Update::default()
+            },
+            vec![update::Body::Snapshot(Ruleset {
+                tables: vec![table(names)],
+            })],
+        );
+        shared.next_state(&env, None).unwrap()
+    }
+
+    /// A restating delta from another replica (epoch 9): restates chain "b" and adds "c", so
+    /// from {a} (its notional base) or from {a, b} it reaches {a, b, c}.
+    fn restating_delta(restating: bool, digest: Vec<u8>) -> Envelope {
+        envelope(
+            Update {
+                brain_epoch: 9,
+                generation: 4,
+                base_generation: 0,
+                restating,
+                digest,
+                resource_versions: vec![10, 20, 30, 40],
+                body: Some(update::Body::Delta(RulesetDelta::default())),
+                ..Update::default()
+            },
+            vec![update::Body::Delta(RulesetDelta {
+                upsert: vec![table(&["b", "c"])],
+                remove: vec![],
+            })],
+        )
+    }
+
+    #[test]
+    fn a_restating_delta_applies_to_what_the_node_holds_when_the_digest_matches() {
+        let shared = SharedModels::default();
+        let target = model(&["a", "b", "c"]);
+        let env = restating_delta(true, target.digest());
+        assert!(env.restating && env.base_digest.is_empty());
+        assert_eq!(env.resource_versions, vec![10, 20, 30, 40]);
+
+        // Two nodes at different bases, neither the brain's notional one for both.
+        let on_a = holding(&shared, &["a"], 1);
+        let on_ab = holding(&shared, &["a", "b"], 2);
+        assert_eq!(on_ab.resource_versions, vec![2, 0, 0, 0]);
+        for h in [&on_a, &on_ab] {
+            let next = shared.next_state(&env, Some(h)).unwrap();
+            assert_eq!(*next.model, target);
+            assert_eq!(next.digest(), target.digest());
+            assert_eq!((next.epoch, next.generation), (9, 4));
+            assert_eq!(next.resource_versions, vec![10, 20, 30, 40]);
+        }
+        // Not a restating delta: no base named is no base.
+        let plain = restating_delta(false, target.digest());
+        assert!(shared.next_state(&plain, Some(&on_ab)).is_err());
+        // The same parts on two bases are two shared states, not one cached result.
+        assert_ne!(
+            shared_key(Some(&*on_a.model), false, &env.bodies[..1]),
+            shared_key(Some(&*on_ab.model), false, &env.bodies[..1])
+        );
+    }
+
+    #[test]
+    fn a_restating_delta_that_misses_the_digest_is_refused() {
+        let shared = SharedModels::default();
+        // Reaches {a, b, c} from {a} or {a, b}, but not from {a, b, d}.
+        let env = restating_delta(true, model(&["a", "b", "c"]).digest());
+        let on_abd = holding(&shared, &["a", "b", "d"], 3);
+        let e = shared.next_state(&env, Some(&on_abd)).err().unwrap();
+        assert!(e.contains("restating delta does not reach"), "{e}");
+        // The held state is untouched (shared, never mutated).
+        assert_eq!(*on_abd.model, model(&["a", "b", "d"]));
+        // A wrong digest is refused whatever the base.
+        let wrong = restating_delta(true, vec![0; 16]);
+        let on_a = holding(&shared, &["a"], 1);
+        assert!(shared.next_state(&wrong, Some(&on_a)).is_err());
+        // And a node holding nothing has no base to restate.
+        assert!(shared.next_state(&env, None).is_err());
+    }
 }

@@ -206,7 +206,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
         before: run.brain_scrapes(),
         after: &after,
     };
-    for kind in ["same_epoch", "by_content", "snapshot"] {
+    for kind in ["same_epoch", "by_content", "restated", "snapshot"] {
         if let Some(v) = delta.counter_where(RESUMPTIONS, |l| {
             l.iter().any(|(k, v)| k == "kind" && v == kind)
         }) {

@@ -105,7 +105,7 @@ pub async fn restart(b: &mut Bench, full_resync_bytes: Option<f64>) -> anyhow::R
         before: &[],
         after: &scrapes,
     };
-    for kind in ["same_epoch", "by_content", "snapshot"] {
+    for kind in ["same_epoch", "by_content", "restated", "snapshot"] {
         if let Some(v) = all.counter_where(RESUMPTIONS, |l| {
             l.iter().any(|(k, v)| k == "kind" && v == kind)
         }) {

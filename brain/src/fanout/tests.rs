@@ -63,9 +63,23 @@ fn grown(base: &Arc<Model>, i: u32) -> Arc<Model> {
     Arc::new(m)
 }
 
-/// Sessions started so far, by kind: same epoch, by content, snapshot.
-fn resumptions(f: &Fanout) -> [u64; 3] {
+/// Sessions started so far, by kind: same epoch, by content, restated, snapshot.
+fn resumptions(f: &Fanout) -> [u64; 4] {
     crate::metrics::Resumption::ALL.map(|k| f.metrics.resumptions(k))
+}
+
+/// [`Fanout::resume_point`] for a node at a state the brain published: the state, if found.
+trait ResumeExact {
+    fn resume_exact(&self, node: &str, applied: Option<&Applied>) -> Option<Held>;
+}
+
+impl ResumeExact for Fanout {
+    fn resume_exact(&self, node: &str, applied: Option<&Applied>) -> Option<Held> {
+        match self.resume_point(node, applied)? {
+            super::Resume::Exact(held) => Some(held),
+            super::Resume::Window(start) => panic!("placed in a window from {}", start.version),
+        }
+    }
 }
 
 fn at(seconds: i64) -> Timestamp {
@@ -174,6 +188,7 @@ fn applied(f: &Fanout, node: &str) -> Applied {
         brain_epoch: f.epoch,
         generation: st.acked_generation,
         digest: st.acked.expect("acked").digest(),
+        resource_versions: Vec::new(),
     }
 }
 
@@ -350,7 +365,7 @@ fn a_nack_makes_the_next_update_a_snapshot() {
     // A refused update changes nothing on the node: reconnecting, it still holds v1, which
     // its digest proves.
     assert_eq!(
-        f.resume_point("n1", Some(&before)).map(|h| h.version),
+        f.resume_exact("n1", Some(&before)).map(|h| h.version),
         Some(1)
     );
 
@@ -377,9 +392,9 @@ fn resumption_on_the_same_brain_names_the_acked_generation() {
     let v1 = sync(&f, "n1", None);
     let good = applied(&f, "n1");
 
-    let base = f.resume_point("n1", Some(&good)).expect("known base");
+    let base = f.resume_exact("n1", Some(&good)).expect("known base");
     assert_eq!(base.version, 1);
-    assert_eq!(resumptions(&f), [1, 0, 0]);
+    assert_eq!(resumptions(&f), [1, 0, 0, 0]);
     assert!(matches!(
         f.next_update("n1", Some(&base), &f.publication()),
         Some(Next::Current(_))
@@ -406,10 +421,10 @@ fn resumption_on_the_same_brain_names_the_acked_generation() {
         },
     ];
     for a in &unknown {
-        assert!(f.resume_point("n1", Some(a)).is_none(), "{a:?}");
+        assert!(f.resume_exact("n1", Some(a)).is_none(), "{a:?}");
     }
-    assert!(f.resume_point("n1", None).is_none(), "nothing applied");
-    assert_eq!(resumptions(&f), [1, 0, 3]);
+    assert!(f.resume_exact("n1", None).is_none(), "nothing applied");
+    assert_eq!(resumptions(&f), [1, 0, 0, 3]);
 }
 
 /// Two replicas fed the same API state publish the same content under their own epochs and
@@ -437,10 +452,10 @@ fn a_node_fails_over_to_another_replica_by_content() {
 
     // Same content at b's current version: nothing to send.
     let base = b
-        .resume_point("n1", Some(&on_a))
+        .resume_exact("n1", Some(&on_a))
         .expect("resumed by content");
     assert_eq!(base.version, 3);
-    assert_eq!(resumptions(&b), [0, 1, 0]);
+    assert_eq!(resumptions(&b), [0, 1, 0, 0]);
     assert!(matches!(
         b.next_update("n1", Some(&base), &b.publication()),
         Some(Next::Current(_))
@@ -478,8 +493,8 @@ fn a_node_fails_over_to_another_replica_by_content() {
     assert!(decode(&frames).iter().all(|u| u.base_digest.is_empty()));
     // And it resumes on b by generation, or by content, from then on.
     let on_b = applied(&b, "n1");
-    assert!(b.resume_point("n1", Some(&on_b)).is_some());
-    assert_eq!(resumptions(&b), [1, 1, 0]);
+    assert!(b.resume_exact("n1", Some(&on_b)).is_some());
+    assert_eq!(resumptions(&b), [1, 1, 0, 0]);
 }
 
 /// Replicas' views differ for a moment. A node holding a state the replica it reaches has not
@@ -506,18 +521,20 @@ fn a_replica_resumes_only_states_it_published_for_that_node() {
         brain_epoch: ahead.epoch,
         generation: 1,
         digest: v2.digest_with(&model([100])),
+        resource_versions: Vec::new(),
     };
-    assert!(behind.resume_point("n1", Some(&on_ahead)).is_none());
-    assert_eq!(resumptions(&behind), [0, 0, 1]);
+    assert!(behind.resume_exact("n1", Some(&on_ahead)).is_none());
+    assert_eq!(resumptions(&behind), [0, 0, 0, 1]);
 
     // n2 synced on the replica behind at v1, fails over to the one ahead: a delta from v1.
     let on_behind = Applied {
         brain_epoch: behind.epoch,
         generation: 1,
         digest: v1.digest_with(&model([200])),
+        resource_versions: Vec::new(),
     };
     let base = ahead
-        .resume_point("n2", Some(&on_behind))
+        .resume_exact("n2", Some(&on_behind))
         .expect("v1 is remembered");
     assert_eq!(base.version, 1);
     let (frames, sent) = send(&ahead, "n2", Some(&base));
@@ -528,7 +545,7 @@ fn a_replica_resumes_only_states_it_published_for_that_node() {
     assert_eq!(updates.last().unwrap().trigger_times.len(), 9);
 
     // n2's digest is not n1's state.
-    assert!(ahead.resume_point("n1", Some(&on_behind)).is_none());
+    assert!(ahead.resume_exact("n1", Some(&on_behind)).is_none());
 }
 
 // ---- the shared body cache ----
@@ -677,6 +694,7 @@ fn a_snapshot_carries_only_the_trigger_times_of_changes_news_to_the_node() {
             brain_epoch: f.epoch ^ 1,
             generation: 17,
             digest: current.digest(),
+            resource_versions: Vec::new(),
         }),
     );
     let (frames, _) = send(&f, "n2", None);
@@ -693,6 +711,7 @@ fn a_snapshot_carries_only_the_trigger_times_of_changes_news_to_the_node() {
             brain_epoch: f.epoch ^ 1,
             generation: 3,
             digest: vec![7; 16],
+            resource_versions: Vec::new(),
         }),
     );
     let (frames, _) = send(&f, "n3", None);

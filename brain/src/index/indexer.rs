@@ -22,6 +22,7 @@ use splitproxy_proto::model::Model;
 
 use super::Index;
 use super::listing::Listing;
+use crate::api_state::{ApiState, Resource};
 use crate::desired::SharedRuleset;
 use crate::fanout::Fanout;
 use crate::metrics::Metrics;
@@ -78,6 +79,11 @@ pub struct Indexer {
     /// The sampled traces of those changes (crate::trace), at most [`trace::MAX_LINKS`]: the
     /// next publication continues them.
     traces: Vec<opentelemetry::trace::SpanContext>,
+    /// Where the folded events stand in each watch stream, published with the state
+    /// (crate::api_state): every event counts, also one that changed nothing.
+    api: ApiState,
+    /// The same for the lists under way.
+    listing: ApiState,
 }
 
 impl Indexer {
@@ -112,6 +118,8 @@ impl Indexer {
             objects: Vec::new(),
             seen: Vec::new(),
             traces: Vec::new(),
+            api: ApiState::default(),
+            listing: ApiState::default(),
         }
     }
 
@@ -127,8 +135,13 @@ impl Indexer {
     fn service_event(&mut self, ev: Event<Service>) {
         let filter = &self.filter;
         match ev {
-            Event::Init => self.services.start(),
+            Event::Init => {
+                self.services.start();
+                self.listing.restart(Resource::Services);
+            }
             Event::InitApply(svc) => {
+                self.listing
+                    .list(Resource::Services, version(&svc.metadata));
                 if let Some(info) = objects::service(&svc, filter, &self.metrics) {
                     self.services.push((info.key.clone(), info));
                 }
@@ -137,9 +150,11 @@ impl Indexer {
                 let all = self.services.finish();
                 tracing::info!(services = all.len(), "services listed");
                 self.index.reset_services(all);
+                self.api.take(Resource::Services, &self.listing);
                 self.rebuild = true;
             }
             Event::Apply(svc) => {
+                self.api.fold(Resource::Services, version(&svc.metadata));
                 let key = ObjectKey::of(&svc);
                 let info = objects::service(&svc, filter, &self.metrics);
                 self.index.apply_service(key.clone(), info);
@@ -149,6 +164,7 @@ impl Indexer {
                 self.trace("Service", &svc.metadata, Change::Apply);
             }
             Event::Delete(svc) => {
+                self.api.fold(Resource::Services, version(&svc.metadata));
                 let key = ObjectKey::of(&svc);
                 self.index.apply_service(key.clone(), None);
                 self.dirty.insert(key.clone());
@@ -160,8 +176,13 @@ impl Indexer {
 
     fn slice_event(&mut self, ev: Event<EndpointSlice>) {
         match ev {
-            Event::Init => self.slices.start(),
+            Event::Init => {
+                self.slices.start();
+                self.listing.restart(Resource::EndpointSlices);
+            }
             Event::InitApply(s) => {
+                self.listing
+                    .list(Resource::EndpointSlices, version(&s.metadata));
                 if let Some(info) = objects::slice(&s, &self.metrics) {
                     self.slices.push((info.key.clone(), info));
                 }
@@ -170,9 +191,12 @@ impl Indexer {
                 let all = self.slices.finish();
                 tracing::info!(slices = all.len(), "endpoint slices listed");
                 self.index.reset_slices(all);
+                self.api.take(Resource::EndpointSlices, &self.listing);
                 self.rebuild = true;
             }
             Event::Apply(s) => {
+                self.api
+                    .fold(Resource::EndpointSlices, version(&s.metadata));
                 let key = ObjectKey::of(&s);
                 let info = objects::slice(&s, &self.metrics);
                 let trigger = info.as_ref().and_then(|i| i.trigger_time);
@@ -188,6 +212,8 @@ impl Indexer {
                 self.trace("EndpointSlice", &s.metadata, Change::Apply);
             }
             Event::Delete(s) => {
+                self.api
+                    .fold(Resource::EndpointSlices, version(&s.metadata));
                 let key = ObjectKey::of(&s);
                 let before = self.index.apply_slice(key.clone(), None);
                 self.dirty.extend(before);
@@ -199,15 +225,25 @@ impl Indexer {
 
     fn node_event(&mut self, ev: Event<Node>) {
         match ev {
-            Event::Init => self.nodes.start(),
-            Event::InitApply(n) => self.nodes.push(objects::node(&n)),
+            Event::Init => {
+                self.nodes.start();
+                self.listing.restart(Resource::Nodes);
+            }
+            Event::InitApply(n) => {
+                self.listing.list(Resource::Nodes, version(&n.metadata));
+                self.nodes.push(objects::node(&n));
+            }
             Event::InitDone => {
                 let all = self.nodes.finish();
                 tracing::info!(nodes = all.len(), "nodes listed");
                 self.index.reset_nodes(all);
+                self.api.take(Resource::Nodes, &self.listing);
                 self.rebuild = true;
             }
             Event::Apply(n) => {
+                // Every event moves the stream's position, also one that changes nothing
+                // here: positions are compared with other replicas', which took it too.
+                self.api.fold(Resource::Nodes, version(&n.metadata));
                 // Nodes report status often; only a change of what the rules use (addresses,
                 // zone, pod CIDRs) recomputes anything.
                 let info = objects::node(&n);
@@ -220,6 +256,7 @@ impl Indexer {
                 self.index.apply_node(info.name.clone(), Some(info));
             }
             Event::Delete(n) => {
+                self.api.fold(Resource::Nodes, version(&n.metadata));
                 let name = kube::ResourceExt::name_any(&n);
                 self.index.apply_node(name.clone(), None);
                 self.dirty_nodes.insert(name.clone());
@@ -289,19 +326,29 @@ impl Indexer {
             (kube::ResourceExt::name_any(o), cidrs)
         };
         match ev {
-            Event::Init => self.service_cidr_objects.start(),
-            Event::InitApply(o) => self.service_cidr_objects.push(reduce(&o)),
+            Event::Init => {
+                self.service_cidr_objects.start();
+                self.listing.restart(Resource::ServiceCidrs);
+            }
+            Event::InitApply(o) => {
+                self.listing
+                    .list(Resource::ServiceCidrs, version(&o.metadata));
+                self.service_cidr_objects.push(reduce(&o));
+            }
             Event::InitDone => {
                 let all = self.service_cidr_objects.finish();
+                self.api.take(Resource::ServiceCidrs, &self.listing);
                 self.cidrs_by_object = all.into_iter().collect();
                 self.apply_service_cidrs();
             }
             Event::Apply(o) => {
+                self.api.fold(Resource::ServiceCidrs, version(&o.metadata));
                 let (name, cidrs) = reduce(&o);
                 self.cidrs_by_object.insert(name, cidrs);
                 self.apply_service_cidrs();
             }
             Event::Delete(o) => {
+                self.api.fold(Resource::ServiceCidrs, version(&o.metadata));
                 self.cidrs_by_object
                     .remove(&kube::ResourceExt::name_any(&o));
                 self.apply_service_cidrs();
@@ -433,6 +480,7 @@ impl Indexer {
             std::mem::take(&mut self.trigger_times),
             std::mem::take(&mut self.objects),
             trace,
+            self.api,
         );
         drop(entered);
         if version.is_some() {
@@ -449,6 +497,11 @@ impl Indexer {
         }
         true
     }
+}
+
+/// An object's resourceVersion, as [`ApiState`] takes it.
+fn version(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<&str> {
+    meta.resource_version.as_deref()
 }
 
 #[cfg(test)]

@@ -77,6 +77,7 @@ impl Cluster {
         shared.prune();
         Publication {
             version: 7,
+            api: Default::default(),
             shared: Arc::new(shared.model().clone()),
             overlays: self
                 .index

@@ -54,7 +54,14 @@ fn slice_meta(name: &str) -> ObjectMeta {
 fn publish_and_send(trace: Option<SpanContext>) -> (Vec<UpdateFrame>, Option<NodeSend>) {
     let fanout = Fanout::new(Arc::new(Metrics::default()), 4, 1024);
     let shared = Arc::new(Model::default());
-    let version = fanout.publish_traced(shared, Default::default(), vec![], vec![], trace);
+    let version = fanout.publish_traced(
+        shared,
+        Default::default(),
+        vec![],
+        vec![],
+        trace,
+        Default::default(),
+    );
     assert_eq!(version, Some(1));
     let Some(Next::Send(mut frames, _)) = fanout.next_update("n1", None, &fanout.publication())
     else {
@@ -238,8 +245,16 @@ fn a_node_behind_several_traced_publications_continues_the_newest_and_links_the_
         });
         Arc::new(m)
     };
-    let publish =
-        |n: u32, trace| fanout.publish_traced(model(n), Default::default(), vec![], vec![], trace);
+    let publish = |n: u32, trace| {
+        fanout.publish_traced(
+            model(n),
+            Default::default(),
+            vec![],
+            vec![],
+            trace,
+            Default::default(),
+        )
+    };
     assert_eq!(publish(1, None), Some(1));
     let Some(Next::Send(_, base)) = fanout.next_update("n1", None, &fanout.publication()) else {
         panic!("a snapshot")
