@@ -89,6 +89,12 @@ pub struct BenchArgs {
     /// Services changed per second during churn, in percent of --services.
     #[arg(long, default_value_t = 1.0)]
     pub churn_percent: f64,
+    /// How many evenly spaced bursts each second's churn writes are split into. 1 writes them
+    /// all at once, as earlier runs did; more is closer to a cluster's churn, which arrives
+    /// spread out, and makes replicas fold the same changes in different batches (their
+    /// publications then differ, and a failover resumes nodes by restating deltas).
+    #[arg(long, default_value_t = 1)]
+    pub churn_bursts: u32,
     /// Duration of each churn run of the API watch comparison (without and with one watcher set
     /// per node), seconds.
     #[arg(long, default_value_t = 20)]

@@ -549,7 +549,7 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     let _ = writeln!(
         w,
         "Workload: {} Services x {} endpoints (plus one 100-endpoint Service for the rolling update), {} Node objects; \
-         {} brain replica(s), {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s.\n",
+         {} brain replica(s), {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s{}.\n",
         c.services,
         c.endpoints,
         c.nodes,
@@ -563,7 +563,15 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
         },
         c.churn_percent,
         c.churn_per_second,
-        c.churn_seconds
+        c.churn_seconds,
+        if c.churn_bursts > 1 {
+            format!(
+                ", written in {} evenly spaced bursts a second",
+                c.churn_bursts
+            )
+        } else {
+            String::new()
+        }
     );
 
     let _ = writeln!(w, "## Targets\n");

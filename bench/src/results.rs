@@ -78,6 +78,13 @@ pub struct Config {
     /// Single-endpoint changes of the endpoint_flip phase.
     #[serde(default)]
     pub single_changes: usize,
+    /// Bursts each second's churn writes were split into (`--churn-bursts`).
+    #[serde(default = "one_u32")]
+    pub churn_bursts: u32,
+}
+
+fn one_u32() -> u32 {
+    1
 }
 
 fn one() -> usize {

@@ -82,6 +82,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
             watch_storm: !args.skip_watch_storm,
             brains: args.brains,
             single_changes: args.single_changes,
+            churn_bursts: args.churn_bursts.max(1),
         },
         ..Default::default()
     };

@@ -28,6 +28,10 @@ use crate::node_watch;
 const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause after a NACK before the next attempt (a snapshot), unless the state changes first.
 const NACK_BACKOFF: Duration = Duration::from_secs(2);
+/// How long a node placed at this brain's latest publication waits for the next one before it
+/// gets a snapshot: it holds changes another replica published and this one has not yet, which
+/// a restating delta covers only once they are published here (crate::restate).
+const WINDOW_WAIT: Duration = Duration::from_secs(1);
 /// How long a new `Sync` stream may take to send its Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a disconnected node the cluster does not know stays in `ListNodes`.
@@ -572,6 +576,7 @@ async fn session(
         Some(Resume::Window(start)) => (None, Some(start)),
         None => (None, None),
     };
+    let window_wait = tokio::time::Instant::now() + WINDOW_WAIT;
     let mut ack_deadline = AckDeadline::new(ACK_TIMEOUT);
     tracing::info!(
         node,
@@ -588,6 +593,24 @@ async fn session(
                 .await
                 .map_err(|_| Status::unavailable("shutting down"))?;
             continue;
+        }
+        if let Some(start) = &window
+            && start.version >= desired.version
+        {
+            // The node is ahead of this brain: nothing to restate yet.
+            if tokio::time::Instant::now() < window_wait {
+                tokio::select! {
+                    r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
+                    _ = tokio::time::sleep_until(window_wait) => {}
+                    msg = next_inbound(fanout, node, &mut inbound) => return unexpected(msg),
+                }
+                continue;
+            }
+            tracing::info!(
+                node,
+                "nothing published past the node's state in time; a snapshot"
+            );
+            window = None;
         }
         // A snapshot is the whole ruleset, copied into the stream's buffers until the node has
         // read it; bounding how many are in flight bounds the brain's memory when thousands of

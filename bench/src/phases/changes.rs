@@ -1,6 +1,6 @@
 //! The change phases, each a sequence of writes the way a controller would make them, measured
 //! from each write's trigger time to its application on every node.
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::time::MissedTickBehavior;
 
@@ -91,11 +91,13 @@ pub async fn churn(b: &mut Bench) -> anyhow::Result<Phase> {
 /// How long one tick's writes may take before the tick counts as failed.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Churn writes, tick by tick: each tick replaces one endpoint in each of the next
-/// `--churn-percent` of the plain Services, round robin.
+/// Churn writes, tick by tick: each tick (a second) replaces one endpoint in each of the next
+/// `--churn-percent` of the plain Services, round robin, in `--churn-bursts` evenly spaced
+/// bursts.
 pub struct Churner {
     cursor: usize,
     per_tick: usize,
+    bursts: u32,
 }
 
 impl Churner {
@@ -103,15 +105,47 @@ impl Churner {
         Churner {
             cursor: 0,
             per_tick: b.args.churn_per_second(),
+            bursts: b.args.churn_bursts.max(1),
         }
     }
 
-    /// Writes tick `tick`'s slice updates (bounded by [`WRITE_TIMEOUT`]); returns their
-    /// trigger times.
+    /// The bursts of a tick.
+    pub fn bursts(&self) -> u32 {
+        self.bursts
+    }
+
+    /// When burst `burst` of a tick that began at `start` is written.
+    pub fn burst_at(&self, start: Instant, burst: u32) -> Instant {
+        start + Duration::from_secs(1) * burst / self.bursts
+    }
+
+    /// Writes the whole of tick `tick`, burst by burst at their times; returns the trigger
+    /// times.
     pub async fn tick(&mut self, b: &mut Bench, tick: u64) -> anyhow::Result<Vec<SystemTime>> {
+        let start = Instant::now();
+        let mut times = Vec::with_capacity(self.per_tick);
+        for burst in 0..self.bursts {
+            tokio::time::sleep_until(self.burst_at(start, burst).into()).await;
+            times.extend(self.burst(b, tick, burst).await?);
+        }
+        Ok(times)
+    }
+
+    /// Writes burst `burst` of tick `tick`'s slice updates (bounded by [`WRITE_TIMEOUT`]);
+    /// returns their trigger times.
+    pub async fn burst(
+        &mut self,
+        b: &mut Bench,
+        tick: u64,
+        burst: u32,
+    ) -> anyhow::Result<Vec<SystemTime>> {
         let plain = b.workload.plain_services();
-        let mut updates = Vec::with_capacity(self.per_tick);
-        for _ in 0..self.per_tick {
+        let bursts = self.bursts as usize;
+        let burst = burst as usize;
+        // This burst's share of the tick's writes, so that the bursts add up to it.
+        let count = self.per_tick * (burst + 1) / bursts - self.per_tick * burst / bursts;
+        let mut updates = Vec::with_capacity(count);
+        for _ in 0..count {
             let i = self.cursor % plain;
             self.cursor += 1;
             let svc = &mut b.workload.services[i];
@@ -120,6 +154,9 @@ impl Churner {
             let svc = &mut b.workload.services[i];
             svc.slices[0].endpoints[j] = fresh;
             updates.push((svc.name.clone(), svc.slices[0].clone()));
+        }
+        if updates.is_empty() {
+            return Ok(Vec::new());
         }
         // Bounded: a write the API server never answers must not stall the loop.
         tokio::time::timeout(WRITE_TIMEOUT, b.writer.update_slices(&updates))

@@ -110,23 +110,33 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
             b.watched.remove(&Rig::brain_role(victim, n));
             println!("[bench]   brain-{victim} killed (SIGKILL)");
         }
-        match churner.tick(b, tick).await {
-            Ok(times) => {
-                run.changes += times.len();
-                if let Some(t) = times.into_iter().max() {
-                    last = last.max(t);
+        // The tick's bursts, and between them (after the kill) the moved nodes looked for.
+        let tick_start = Instant::now();
+        let mut failed = false;
+        for burst in 0..churner.bursts() {
+            match churner.burst(b, tick, burst).await {
+                Ok(times) => {
+                    run.changes += times.len();
+                    if let Some(t) = times.into_iter().max() {
+                        last = last.max(t);
+                    }
+                }
+                Err(_) => failed = true,
+            }
+            b.drain(&mut run);
+            let next = churner.burst_at(tick_start, burst + 1);
+            if let Some(k) = killed {
+                let until = next.min(tick_start + Duration::from_millis(900));
+                while Instant::now() < until && back.len() < moved.len() {
+                    look_for_moved(b, &moved, k, &mut back).await;
+                    tokio::time::sleep(POLL).await;
                 }
             }
-            Err(_) => failed_ticks += 1,
-        }
-        b.drain(&mut run);
-        if let Some(k) = killed {
-            let until = Instant::now() + Duration::from_millis(900);
-            while Instant::now() < until && back.len() < moved.len() {
-                look_for_moved(b, &moved, k, &mut back).await;
-                tokio::time::sleep(POLL).await;
+            if burst + 1 < churner.bursts() {
+                tokio::time::sleep_until(next.into()).await;
             }
         }
+        failed_ticks += usize::from(failed);
     }
     if failed_ticks > 0 {
         run.notes
