@@ -66,15 +66,15 @@ pub enum Next {
 pub enum Resume {
     /// It holds this state: a delta from it, or nothing.
     Exact(Held),
-    /// It holds a state in the window that starts at this one: a restating delta
-    /// ([`Fanout::restating_update`]).
-    Window(Held),
+    /// It holds a state in the window that starts at this one, computed from this API state: a
+    /// restating delta ([`Fanout::restating_update`]), once a publication covers that state.
+    Window(Held, ApiState),
 }
 
 impl Resume {
     pub fn held(&self) -> &Held {
         match self {
-            Resume::Exact(h) | Resume::Window(h) => h,
+            Resume::Exact(h) | Resume::Window(h, _) => h,
         }
     }
 }
@@ -815,7 +815,7 @@ impl Fanout {
         let (resume, kind) = match self.resume(node, applied) {
             Some((held, kind)) => (Some(Resume::Exact(held)), kind),
             None => match self.window(node, applied) {
-                Some(start) => (Some(Resume::Window(start)), Resumption::Restated),
+                Some((start, api)) => (Some(Resume::Window(start, api)), Resumption::Restated),
                 None => (None, Resumption::Snapshot),
             },
         };
@@ -833,7 +833,11 @@ impl Fanout {
     /// The start of the window of recent publications the node's state lies in (see
     /// [`crate::history::History::window_start`]), when it presents the API state its ruleset
     /// was computed from. The node does not hold it: nothing is recorded as acked.
-    fn window(&self, node: &str, applied: Option<&splitproxy_proto::v1::Applied>) -> Option<Held> {
+    fn window(
+        &self,
+        node: &str,
+        applied: Option<&splitproxy_proto::v1::Applied>,
+    ) -> Option<(Held, ApiState)> {
         let applied = applied.filter(|a| !a.digest.is_empty())?;
         let api = ApiState::from_wire(&applied.resource_versions)?;
         let start = self.history.window_start(&api)?;
@@ -842,7 +846,7 @@ impl Fanout {
             st.acked = None;
             st.acked_generation = 0;
         }
-        start.held(node)
+        Some((start.held(node)?, api))
     }
 
     fn resume(

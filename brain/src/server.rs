@@ -28,9 +28,10 @@ use crate::node_watch;
 const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause after a NACK before the next attempt (a snapshot), unless the state changes first.
 const NACK_BACKOFF: Duration = Duration::from_secs(2);
-/// How long a node placed at this brain's latest publication waits for the next one before it
-/// gets a snapshot: it holds changes another replica published and this one has not yet, which
-/// a restating delta covers only once they are published here (crate::restate).
+/// How long a node placed in a window waits for a publication that covers the API state it
+/// presents: it holds changes another replica published and this one has not yet, which a
+/// restating delta covers only once they are published here (crate::restate). After that it
+/// is sent one anyway, which its digest check may refuse (then a snapshot).
 const WINDOW_WAIT: Duration = Duration::from_secs(1);
 /// How long a new `Sync` stream may take to send its Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -573,7 +574,7 @@ async fn session(
     // (`window`, another replica's; crate::restate), or nothing known (a snapshot).
     let (mut base, mut window) = match fanout.resume_point(node, hello.applied.as_ref()) {
         Some(Resume::Exact(held)) => (Some(held), None),
-        Some(Resume::Window(start)) => (None, Some(start)),
+        Some(Resume::Window(start, api)) => (None, Some((start, api))),
         None => (None, None),
     };
     let window_wait = tokio::time::Instant::now() + WINDOW_WAIT;
@@ -594,23 +595,17 @@ async fn session(
                 .map_err(|_| Status::unavailable("shutting down"))?;
             continue;
         }
-        if let Some(start) = &window
-            && start.version >= desired.version
+        if let Some((_, api)) = &window
+            && !desired.api.covers(api)
+            && tokio::time::Instant::now() < window_wait
         {
-            // The node is ahead of this brain: nothing to restate yet.
-            if tokio::time::Instant::now() < window_wait {
-                tokio::select! {
-                    r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
-                    _ = tokio::time::sleep_until(window_wait) => {}
-                    msg = next_inbound(fanout, node, &mut inbound) => return unexpected(msg),
-                }
-                continue;
+            // The node holds changes this brain has not published yet.
+            tokio::select! {
+                r = desired_rx.changed() => r.map_err(|_| Status::unavailable("shutting down"))?,
+                _ = tokio::time::sleep_until(window_wait) => {}
+                msg = next_inbound(fanout, node, &mut inbound) => return unexpected(msg),
             }
-            tracing::info!(
-                node,
-                "nothing published past the node's state in time; a snapshot"
-            );
-            window = None;
+            continue;
         }
         // A snapshot is the whole ruleset, copied into the stream's buffers until the node has
         // read it; bounding how many are in flight bounds the brain's memory when thousands of
@@ -626,7 +621,7 @@ async fn session(
             ),
             _ => None,
         };
-        let restating = window.take();
+        let restating = window.take().map(|(start, _)| start);
         let next = match &restating {
             Some(start) => match fanout.restating_update(node, start, &desired) {
                 Some(next) => Some(next),

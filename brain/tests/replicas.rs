@@ -500,7 +500,10 @@ fn restate_each_state(
                 resource_versions: state.api.to_wire(),
             };
             let start = match b.fanout.resume_point(n, Some(&applied)) {
-                Some(Resume::Window(start)) => start,
+                Some(Resume::Window(start, api)) => {
+                    assert_eq!(api, state.api);
+                    start
+                }
                 // A state `b` published too: resumed by content, as before.
                 Some(Resume::Exact(_)) => continue,
                 None => panic!("{n} at a's state {k} not placed ({:?})", state.api),

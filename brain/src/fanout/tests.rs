@@ -77,7 +77,9 @@ impl ResumeExact for Fanout {
     fn resume_exact(&self, node: &str, applied: Option<&Applied>) -> Option<Held> {
         match self.resume_point(node, applied)? {
             super::Resume::Exact(held) => Some(held),
-            super::Resume::Window(start) => panic!("placed in a window from {}", start.version),
+            super::Resume::Window(start, _) => {
+                panic!("placed in a window from {}", start.version)
+            }
         }
     }
 }
