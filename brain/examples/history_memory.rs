@@ -3,7 +3,9 @@
 //! endpoint changes published one after another, as the brain publishes them, each recorded in
 //! the history. Live heap is counted by the allocator. Then the history is made to hold the
 //! newest publication only, which frees what the older versions alone held; and a rebuild (a
-//! relist) is recorded, after which the history keeps one state from before it.
+//! relist) is recorded, after which the history keeps one state from before it. More changes
+//! than the history keeps publications show what the step log costs beyond them
+//! (`brain/src/history/steps.rs`), and how long recording a publication takes.
 //!
 //! `cargo run --release -p splitproxy-brain --example history_memory -- [S] [E] [N] [changes]`
 use std::sync::Arc;
@@ -152,6 +154,7 @@ fn main() {
         d.model().element_count(),
     );
 
+    let mut recording = std::time::Duration::ZERO;
     for k in 0..changes {
         let i = (k * 97) % s;
         let sl = slice(i, e, 1000 + k, nodes);
@@ -161,12 +164,18 @@ fn main() {
         overlays.update(&index, &mut d, key.iter(), std::iter::empty());
         d.prune();
         version += 1;
-        history.record(publication(version, &d, &mut overlays, &mut published));
+        let p = publication(version, &d, &mut overlays, &mut published);
+        let t = Instant::now();
+        history.record(p);
+        recording += t.elapsed();
     }
     let full = mib();
     println!(
-        "history of {} versions (after {changes} one-Service endpoint changes): live heap {full:.1} MiB",
-        history.versions().len()
+        "history of {} versions and {} steps naming {} objects (after {changes} one-Service endpoint changes): live heap {full:.1} MiB; recording took {:?} per publication (the step log's diff)",
+        history.versions().len(),
+        history.step_versions().len(),
+        history.step_objects(),
+        recording / changes.max(1),
     );
 
     // Only the newest, many times over: what the older versions alone held is freed.

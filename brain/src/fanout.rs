@@ -66,15 +66,18 @@ pub enum Next {
 pub enum Resume {
     /// It holds this state: a delta from it, or nothing.
     Exact(Held),
-    /// It holds a state in the window that starts at this one, computed from this API state: a
-    /// restating delta ([`Fanout::restating_update`]), once a publication covers that state.
-    Window(Held, ApiState),
+    /// It holds a state in the window that starts at this version, computed from this API
+    /// state: a restating delta ([`Fanout::restating_update`]), once a publication covers that
+    /// state.
+    Window(u64, ApiState),
 }
 
 impl Resume {
-    pub fn held(&self) -> &Held {
+    /// The version the node is placed at (for a window, where it starts).
+    pub fn version(&self) -> u64 {
         match self {
-            Resume::Exact(h) | Resume::Window(h, _) => h,
+            Resume::Exact(h) => h.version,
+            Resume::Window(v, _) => *v,
         }
     }
 }
@@ -460,6 +463,7 @@ impl Fanout {
             overlays,
             api,
         });
+        // Recorded before any stream sees it: a session restating towards it needs its step.
         self.history.record(publication.clone());
         self.publication_tx.send_replace(publication);
         Some(version)
@@ -823,7 +827,7 @@ impl Fanout {
         tracing::info!(
             node,
             resumption = kind.as_str(),
-            version = resume.as_ref().map(|r| r.held().version),
+            version = resume.as_ref().map(Resume::version),
             api = ?applied.map(|a| &a.resource_versions),
             "resuming node"
         );
@@ -837,7 +841,7 @@ impl Fanout {
         &self,
         node: &str,
         applied: Option<&splitproxy_proto::v1::Applied>,
-    ) -> Option<(Held, ApiState)> {
+    ) -> Option<(u64, ApiState)> {
         let applied = applied.filter(|a| !a.digest.is_empty())?;
         let api = ApiState::from_wire(&applied.resource_versions)?;
         let start = self.history.window_start(&api)?;
@@ -846,7 +850,7 @@ impl Fanout {
             st.acked = None;
             st.acked_generation = 0;
         }
-        Some((start.held(node)?, api))
+        Some((start, api))
     }
 
     fn resume(

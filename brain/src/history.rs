@@ -15,6 +15,10 @@
 //! with what came before. The history therefore never keeps more than one publication from
 //! before a rebuild, and none when the rebuild published the same content again, so it holds at
 //! most two independent copies of the cluster ("bounded under slow nodes", docs/invariants.md).
+//!
+//! A node placed in a window instead (another replica's state, crate::restate) needs only what
+//! changed in each step since: that is kept for half a minute ([`steps`]), far longer than the
+//! publications themselves.
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
@@ -23,22 +27,37 @@ use splitproxy_proto::model::Model;
 use crate::api_state::ApiState;
 use crate::fanout::{Held, Publication};
 
+pub mod steps;
+
+use steps::{Step, StepLog};
+
 /// Publications kept, the current one included.
 pub const HISTORY_VERSIONS: usize = 32;
 
-/// The last [`HISTORY_VERSIONS`] publications, oldest first.
+/// The last [`HISTORY_VERSIONS`] publications, oldest first, and the last half minute's steps.
 #[derive(Default)]
 pub struct History {
     recent: Mutex<VecDeque<Arc<Publication>>>,
+    steps: Mutex<StepLog>,
 }
 
 impl History {
     /// Remembers a new publication (the newest).
     pub fn record(&self, publication: Arc<Publication>) {
+        let derived = self.record_recent(publication.clone());
+        if let Ok(mut steps) = self.steps.lock() {
+            steps.record(derived.as_deref(), &publication);
+        }
+    }
+
+    /// Keeps `publication` among the recent ones; the one before it, if it was derived from
+    /// that one.
+    fn record_recent(&self, publication: Arc<Publication>) -> Option<Arc<Publication>> {
         let Ok(mut recent) = self.recent.lock() else {
-            return;
+            return None;
         };
-        if let Some(last) = recent.back().cloned()
+        let last = recent.back().cloned();
+        if let Some(last) = last.clone()
             && !same_lineage(&last.shared, &publication.shared)
         {
             // A rebuild: nothing is shared with what came before. Keep the last state only,
@@ -52,6 +71,10 @@ impl History {
         while recent.len() > HISTORY_VERSIONS {
             recent.pop_front();
         }
+        last.filter(|l| {
+            let p = recent.back().expect("just pushed");
+            same_lineage(&l.shared, &p.shared) && p.version == l.version + 1
+        })
     }
 
     /// What `node` held at the newest remembered version where its digest was `digest`.
@@ -66,36 +89,31 @@ impl History {
 
     /// Where a node that holds a state this brain never published stands: the newest
     /// remembered publication made from API state that `api` (the state the node's ruleset was
-    /// computed from, by another replica) covers. Every event folded in there is folded in the
-    /// node's state too, so what the node holds differs from that publication only in objects
-    /// that changed after it (crate::restate). `None` when no such publication is remembered, or
-    /// `api` names nothing.
-    pub fn window_start(&self, api: &ApiState) -> Option<Arc<Publication>> {
-        if !api.known() {
-            return None;
-        }
-        let recent = self.recent.lock().ok()?;
-        recent.iter().rev().find(|p| api.covers(&p.api)).cloned()
+    /// computed from, by another replica) covers, by version. Every event folded in there is
+    /// folded in the node's state too, so what the node holds differs from that publication only
+    /// in objects that changed after it (crate::restate). Searched in the step log, which
+    /// reaches further back than the publications. `None` when no such publication is
+    /// remembered, or `api` names nothing.
+    pub fn window_start(&self, api: &ApiState) -> Option<u64> {
+        self.steps.lock().ok()?.window_start(api)
     }
 
-    /// The remembered publications from version `from` to `to`, in order: the steps a
-    /// restating delta spans. `None` unless every one of them is remembered and each was
-    /// derived from the one before (a rebuild in between shares nothing, and restating it
-    /// would cost a snapshot).
-    pub fn steps(&self, from: u64, to: u64) -> Option<Vec<Arc<Publication>>> {
-        let recent = self.recent.lock().ok()?;
-        let first = recent.iter().position(|p| p.version == from)?;
-        let steps: Vec<Arc<Publication>> = recent
-            .iter()
-            .skip(first)
-            .take_while(|p| p.version <= to)
-            .cloned()
-            .collect();
-        let whole = steps.last().is_some_and(|p| p.version == to)
-            && steps.windows(2).all(|w| {
-                w[1].version == w[0].version + 1 && same_lineage(&w[0].shared, &w[1].shared)
-            });
-        whole.then_some(steps)
+    /// The steps after version `from` up to `to`, in order: what a restating delta over that
+    /// window restates. `None` unless every one of them is remembered and each was derived from
+    /// the one before (a rebuild in between shares nothing, and restating it would cost a
+    /// snapshot).
+    pub fn steps(&self, from: u64, to: u64) -> Option<Vec<Arc<Step>>> {
+        self.steps.lock().ok()?.between(from, to)
+    }
+
+    /// The versions the step log remembers, oldest first.
+    pub fn step_versions(&self) -> Vec<u64> {
+        self.steps.lock().map(|s| s.versions()).unwrap_or_default()
+    }
+
+    /// How many objects the step log names ([`steps::STEP_LOG_OBJECTS`] at most).
+    pub fn step_objects(&self) -> usize {
+        self.steps.lock().map(|s| s.objects()).unwrap_or_default()
     }
 
     /// The versions remembered, oldest first.
@@ -212,10 +230,7 @@ mod tests {
             m = changed(&m, v as u32 + 10);
             h.record(at(v, &m, None, [10, slices, 5, 0]));
         }
-        let start = |api: [u64; 4]| {
-            h.window_start(&ApiState::from_wire(&api).unwrap())
-                .map(|p| p.version)
-        };
+        let start = |api: [u64; 4]| h.window_start(&ApiState::from_wire(&api).unwrap());
         // Another replica published after slice event 28: between versions 2 and 3.
         assert_eq!(start([10, 28, 5, 0]), Some(2));
         assert_eq!(start([10, 31, 5, 0]), Some(3));
@@ -227,6 +242,10 @@ mod tests {
         assert_eq!(start([0, 0, 0, 0]), None);
     }
 
+    fn step_versions(s: Option<Vec<Arc<Step>>>) -> Option<Vec<u64>> {
+        s.map(|s| s.iter().map(|p| p.version).collect())
+    }
+
     #[test]
     fn steps_are_consecutive_derived_publications() {
         let h = History::default();
@@ -236,16 +255,100 @@ mod tests {
             m = changed(&m, v as u32);
             h.record(publication(v, &m, None));
         }
-        let versions = |s: Option<Vec<Arc<Publication>>>| {
-            s.map(|s| s.iter().map(|p| p.version).collect::<Vec<_>>())
-        };
-        assert_eq!(versions(h.steps(2, 4)), Some(vec![2, 3, 4]));
-        assert_eq!(versions(h.steps(4, 4)), Some(vec![4]));
-        assert_eq!(versions(h.steps(2, 9)), None, "not published yet");
-        assert_eq!(versions(h.steps(0, 4)), None, "not remembered");
-        // A rebuild in between shares nothing: no steps across it.
+        assert_eq!(step_versions(h.steps(2, 4)), Some(vec![3, 4]));
+        assert_eq!(step_versions(h.steps(4, 4)), Some(vec![]));
+        assert_eq!(step_versions(h.steps(2, 9)), None, "not published yet");
+        assert_eq!(step_versions(h.steps(0, 4)), None, "not remembered");
+        // A rebuild in between shares nothing: no steps across it, and windows start again.
         h.record(publication(5, &built([1, 2, 3, 4, 5, 6]), None));
-        assert_eq!(versions(h.steps(4, 5)), None);
+        assert_eq!(step_versions(h.steps(4, 5)), None);
+        assert_eq!(h.step_versions(), [5]);
+    }
+
+    /// The step log reaches back further than the publications: a node placed at a version
+    /// the history no longer holds is restated over every step since.
+    #[test]
+    fn steps_outlive_the_publications() {
+        let h = History::default();
+        let mut m = built([0]);
+        h.record(at(1, &m, None, [1, 0, 0, 0]));
+        for v in 2..=100u64 {
+            m = changed(&m, v as u32);
+            h.record(at(v, &m, None, [v, 0, 0, 0]));
+        }
+        assert_eq!(h.versions().len(), HISTORY_VERSIONS);
+        assert_eq!(h.step_versions(), (1..=100).collect::<Vec<_>>());
+        // Another replica's state, after Service event 5.
+        let start = h.window_start(&ApiState::from_wire(&[5, 0, 0, 0]).unwrap());
+        assert_eq!(start, Some(5));
+        let steps = h.steps(5, 100).expect("remembered");
+        assert_eq!(steps.len(), 95);
+        let mut touched = crate::restate::Touched::default();
+        for s in &steps {
+            assert_eq!(s.shared.len(), 1, "one element added in step {}", s.version);
+            touched.extend(&s.shared);
+        }
+        assert_eq!(touched.len(), 95);
+    }
+
+    #[test]
+    fn the_step_log_is_bounded() {
+        let h = History::default();
+        let mut m = built([0]);
+        h.record(publication(1, &m, None));
+        let last = steps::STEP_LOG_VERSIONS as u64 + 10;
+        for v in 2..=last {
+            m = changed(&m, v as u32);
+            h.record(publication(v, &m, None));
+        }
+        let versions = h.step_versions();
+        assert_eq!(versions.len(), steps::STEP_LOG_VERSIONS);
+        assert_eq!(versions.last(), Some(&last));
+        // A mass change names more objects than the log keeps: it is all that is left.
+        let mut big = m.clone();
+        for i in 0..steps::STEP_LOG_OBJECTS as u32 + 1 {
+            big = changed(&big, 1_000_000 + i);
+        }
+        h.record(publication(last + 1, &big, None));
+        assert_eq!(h.step_versions(), [last + 1]);
+    }
+
+    /// Only the nodes whose own elements changed are named in a step, with those elements.
+    #[test]
+    fn a_step_names_the_nodes_whose_overlay_changed() {
+        let h = History::default();
+        let m = built([1]);
+        let n1 = Arc::new(built([100]));
+        let n2 = Arc::new(built([200]));
+        let overlays = |n1: &Arc<Model>, n2: &Arc<Model>| -> imbl::HashMap<String, Arc<Model>> {
+            [
+                ("n1".to_string(), n1.clone()),
+                ("n2".to_string(), n2.clone()),
+            ]
+            .into_iter()
+            .collect()
+        };
+        let publish = |version: u64, shared: &Model, overlays| {
+            h.record(Arc::new(Publication {
+                version,
+                shared: Arc::new(shared.clone()),
+                overlays,
+                api: ApiState::from_wire(&[version, 0, 0, 0]).unwrap(),
+            }))
+        };
+        publish(1, &m, overlays(&n1, &n2));
+        let n2b = Arc::new(changed(&n2, 201));
+        publish(2, &changed(&m, 2), overlays(&n1, &n2b));
+        let steps = h.steps(1, 2).unwrap();
+        assert_eq!(steps[0].overlays.len(), 1);
+        assert_eq!(steps[0].overlays["n2"].len(), 1);
+        // A node gone: every element it had.
+        let mut only_n1 = overlays(&n1, &n2b);
+        only_n1.remove("n2");
+        publish(3, &changed(&m, 3), only_n1);
+        let steps = h.steps(2, 3).unwrap();
+        assert_eq!(steps[0].overlays["n2"].len(), 2);
+        assert!(!steps[0].overlays.contains_key("n1"));
     }
 
     #[test]

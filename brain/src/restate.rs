@@ -135,6 +135,24 @@ impl Touched {
         }
     }
 
+    /// Adds every object `other` names: the changes of a window are those of its steps.
+    pub fn extend(&mut self, other: &Touched) {
+        self.tables.extend(other.tables.iter().cloned());
+        self.comments.extend(other.comments.iter().cloned());
+        self.chains.extend(other.chains.iter().cloned());
+        self.sets.extend(other.sets.iter().cloned());
+        self.elements.extend(other.elements.iter().cloned());
+    }
+
+    /// How many objects it names: what keeping it costs, roughly.
+    pub fn len(&self) -> usize {
+        self.tables.len()
+            + self.comments.len()
+            + self.chains.len()
+            + self.sets.len()
+            + self.elements.len()
+    }
+
     /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
         self.tables.is_empty()

@@ -623,7 +623,7 @@ async fn session(
         };
         let restating = window.take().map(|(start, _)| start);
         let next = match &restating {
-            Some(start) => match fanout.restating_update(node, start, &desired) {
+            Some(start) => match fanout.restating_update(node, *start, &desired) {
                 Some(next) => Some(next),
                 // The window is no longer remembered whole: a snapshot, with a permit.
                 None => continue,
@@ -649,7 +649,7 @@ async fn session(
         let traced = crate::trace::node_send(
             fanout,
             node,
-            base.as_ref().or(restating.as_ref()).map(|b| b.version),
+            base.as_ref().map(|b| b.version).or(restating),
             target.version,
             &mut frames,
         );

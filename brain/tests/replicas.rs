@@ -386,7 +386,7 @@ fn replicas_agree_on_content_whatever_the_event_order() {
                 .resume_point(n, Some(&applied))
                 .expect("resumed by content");
             assert!(matches!(base, Resume::Exact(_)), "{base:?}");
-            assert_eq!(base.held().version, replica.fanout.publication().version);
+            assert_eq!(base.version(), replica.fanout.publication().version);
         }
     }
     for replica in [&late, &shuffled] {
@@ -508,7 +508,7 @@ fn restate_each_state(
                 Some(Resume::Exact(_)) => continue,
                 None => panic!("{n} at a's state {k} not placed ({:?})", state.api),
             };
-            let Some(Next::Send(frames, target)) = b.fanout.restating_update(n, &start, &latest)
+            let Some(Next::Send(frames, target)) = b.fanout.restating_update(n, start, &latest)
             else {
                 panic!("no restating update for {n} at a's state {k}");
             };

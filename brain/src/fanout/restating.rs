@@ -5,26 +5,21 @@
 use std::sync::Arc;
 
 use splitproxy_proto::frames::encode_parts;
-use splitproxy_proto::model::Model;
 use splitproxy_proto::v1::update::Body;
 
-use super::{Base, BodyKey, EncodedBody, Fanout, Held, Next, Publication};
+use super::{Base, BodyKey, EncodedBody, Fanout, Next, Publication};
+use crate::history::steps::Step;
 use crate::restate::{self, Touched};
 
 impl Fanout {
     /// The restating delta for `node`, which holds some state in the window that starts at
-    /// `start` (a publication of this brain), towards `desired`. `None` when the window is no
-    /// longer remembered whole (many publications since, or a rebuild): the node then needs a
-    /// snapshot.
-    pub fn restating_update(
-        &self,
-        node: &str,
-        start: &Held,
-        desired: &Publication,
-    ) -> Option<Next> {
+    /// version `start` (a publication of this brain), towards `desired`. `None` when the
+    /// window is no longer remembered whole (half a minute of publications since, or a rebuild):
+    /// the node then needs a snapshot.
+    pub fn restating_update(&self, node: &str, start: u64, desired: &Publication) -> Option<Next> {
         let target = desired.held(node)?;
-        let steps = self.history.steps(start.version, desired.version)?;
-        let key: BodyKey = (start.version, desired.version, true);
+        let steps = self.history.steps(start, desired.version)?;
+        let key: BodyKey = (start, desired.version, true);
         let touched = self.window_changes(&key, &steps);
         let shared = self.body(&key, || {
             EncodedBody::new(encode_parts(
@@ -33,12 +28,9 @@ impl Fanout {
             ))
         });
         let mut own_touched = Touched::default();
-        let empty = Arc::new(Model::default());
-        let overlay = |p: &Publication| p.overlays.get(node).cloned().unwrap_or(empty.clone());
-        for w in steps.windows(2) {
-            let (a, b) = (overlay(&w[0]), overlay(&w[1]));
-            if !Arc::ptr_eq(&a, &b) {
-                own_touched.overlay_step(&a, &b);
+        for step in &steps {
+            if let Some(t) = step.overlays.get(node) {
+                own_touched.extend(t);
             }
         }
         let own = Body::Delta(restate::own(&target.overlay, &own_touched, &touched));
@@ -51,13 +43,13 @@ impl Fanout {
     }
 
     /// What changed in the shared model over `steps`, computed once per window.
-    fn window_changes(&self, key: &BodyKey, steps: &[Arc<Publication>]) -> Arc<Touched> {
+    fn window_changes(&self, key: &BodyKey, steps: &[Arc<Step>]) -> Arc<Touched> {
         if let Some(t) = self.windows.lock().ok().and_then(|c| c.get(key).cloned()) {
             return t;
         }
         let mut touched = Touched::default();
-        for w in steps.windows(2) {
-            touched.shared_step(&w[0].shared, &w[1].shared);
+        for step in steps {
+            touched.extend(&step.shared);
         }
         let touched = Arc::new(touched);
         if let Ok(mut c) = self.windows.lock() {

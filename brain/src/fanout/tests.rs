@@ -12,6 +12,7 @@ use splitproxy_proto::v1::{
 };
 
 use super::{Fanout, Held, Next};
+use crate::api_state::ApiState;
 use crate::metrics::Metrics;
 
 // ---- models and publications ----
@@ -77,9 +78,7 @@ impl ResumeExact for Fanout {
     fn resume_exact(&self, node: &str, applied: Option<&Applied>) -> Option<Held> {
         match self.resume_point(node, applied)? {
             super::Resume::Exact(held) => Some(held),
-            super::Resume::Window(start, _) => {
-                panic!("placed in a window from {}", start.version)
-            }
+            super::Resume::Window(start, _) => panic!("placed in a window from {start}"),
         }
     }
 }
@@ -497,6 +496,63 @@ fn a_node_fails_over_to_another_replica_by_content() {
     let on_b = applied(&b, "n1");
     assert!(b.resume_exact("n1", Some(&on_b)).is_some());
     assert_eq!(resumptions(&b), [1, 1, 0, 0]);
+}
+
+/// A node that reaches a replica long after its state was published there (a failover at
+/// 10,000 nodes takes longer than the history's publications last under churn) is placed by
+/// the API state it presents, in the step log, and restated exactly: no snapshot.
+#[test]
+fn a_node_older_than_the_history_is_restated_from_the_step_log() {
+    let f = fanout();
+    let api = |v: u64| ApiState::from_wire(&[v, v, 1, 0]).unwrap();
+    let mut shared = model([1]);
+    let mut own = model([100]);
+    let mut held_at_5 = None;
+    for v in 1..=(crate::history::HISTORY_VERSIONS as u64 + 20) {
+        shared = grown(&shared, v as u32 + 1);
+        if v % 7 == 0 {
+            // The node's own elements change now and then.
+            own = grown(&own, 100 + v as u32);
+        }
+        let o: Overlays = [("n1".to_string(), own.clone())].into_iter().collect();
+        f.publish_traced(shared.clone(), o, vec![at(v as i64)], vec![], None, api(v));
+        if v == 5 {
+            held_at_5 = f.publication().held("n1");
+        }
+    }
+    let held = held_at_5.unwrap();
+    let applied = Applied {
+        brain_epoch: 0,
+        generation: 1,
+        digest: held.digest(),
+        resource_versions: api(5).to_wire(),
+    };
+    let latest = f.publication();
+    let start = match f.resume_point("n1", Some(&applied)) {
+        Some(super::Resume::Window(start, a)) => {
+            assert_eq!(a, api(5));
+            start
+        }
+        _ => panic!("not placed in a window"),
+    };
+    assert_eq!(start, 5);
+    assert_eq!(resumptions(&f), [0, 0, 1, 0]);
+    let Some(Next::Send(frames, target)) = f.restating_update("n1", start, &latest) else {
+        panic!("no restating update");
+    };
+    let updates = decode(&frames);
+    assert!(updates.last().unwrap().restating);
+    let mut node_model = held.full();
+    let Body::Delta(d) = shared_body(&updates) else {
+        panic!("a delta");
+    };
+    node_model.apply(&d);
+    if let Some(Body::Delta(d)) = &updates.last().unwrap().body {
+        node_model.apply(d);
+    }
+    assert_eq!(node_model.digest(), target.digest());
+    assert_eq!(node_model.digest(), updates.last().unwrap().digest);
+    assert_eq!(f.metrics.snapshots_sent.load(Ordering::Relaxed), 0);
 }
 
 /// Replicas' views differ for a moment. A node holding a state the replica it reaches has not
