@@ -36,7 +36,9 @@ pub struct Touched {
     chains: BTreeSet<(TableKey, String)>,
     /// Sets created, removed or redefined: restated whole.
     sets: BTreeSet<(TableKey, String)>,
-    elements: BTreeSet<(TableKey, String, Box<[u8]>)>,
+    /// Elements added, changed or removed, by set: a set's names once, not once per element
+    /// (the step log keeps thousands of these, crate::history::steps).
+    elements: BTreeMap<(TableKey, String), BTreeSet<Box<[u8]>>>,
 }
 
 impl Touched {
@@ -87,14 +89,24 @@ impl Touched {
     }
 
     fn element_step(&mut self, key: &TableKey, set: &str, old: &SetModel, new: &SetModel) {
-        for item in old.elements.diff(&new.elements) {
-            let k = match item {
+        let mut changed = old
+            .elements
+            .diff(&new.elements)
+            .map(|item| match item {
                 DiffItem::Add(k, _) | DiffItem::Remove(k, _) => k,
                 DiffItem::Update { new: (k, _), .. } => k,
-            };
-            self.elements
-                .insert((key.clone(), set.to_owned(), k.clone()));
+            })
+            .peekable();
+        if changed.peek().is_some() {
+            self.set_elements(key, set).extend(changed.cloned());
         }
+    }
+
+    /// The changed elements of one set, made on first use.
+    fn set_elements(&mut self, key: &TableKey, set: &str) -> &mut BTreeSet<Box<[u8]>> {
+        self.elements
+            .entry((key.clone(), set.to_owned()))
+            .or_default()
     }
 
     /// Adds the elements of a node's overlay that differ between `a` and `b`. An overlay
@@ -129,19 +141,41 @@ impl Touched {
     }
 
     fn all_elements(&mut self, key: &TableKey, set: &str, s: &SetModel) {
-        for k in s.elements.keys() {
-            self.elements
-                .insert((key.clone(), set.to_owned(), k.clone()));
+        if !s.elements.is_empty() {
+            self.set_elements(key, set)
+                .extend(s.elements.keys().cloned());
         }
     }
 
-    /// Adds every object `other` names: the changes of a window are those of its steps.
-    pub fn extend(&mut self, other: &Touched) {
-        self.tables.extend(other.tables.iter().cloned());
-        self.comments.extend(other.comments.iter().cloned());
-        self.chains.extend(other.chains.iter().cloned());
-        self.sets.extend(other.sets.iter().cloned());
-        self.elements.extend(other.elements.iter().cloned());
+    /// Adds every object `step` names: the changes of a window are those of its steps.
+    pub fn extend(&mut self, step: &CompactTouched) {
+        self.tables.extend(step.tables.iter().cloned());
+        self.comments.extend(step.comments.iter().cloned());
+        self.chains.extend(step.chains.iter().cloned());
+        self.sets.extend(step.sets.iter().cloned());
+        for (set, elements) in step.elements.iter() {
+            self.elements
+                .entry(set.clone())
+                .or_default()
+                .extend(elements.iter().cloned());
+        }
+    }
+
+    /// The same objects in flat arrays, to be kept (crate::history::steps).
+    pub fn compact(self) -> CompactTouched {
+        let flat = |s: BTreeSet<TableKey>| s.into_iter().collect();
+        let named = |s: BTreeSet<(TableKey, String)>| s.into_iter().collect();
+        CompactTouched {
+            tables: flat(self.tables),
+            comments: flat(self.comments),
+            chains: named(self.chains),
+            sets: named(self.sets),
+            elements: self
+                .elements
+                .into_iter()
+                .map(|(set, elements)| (set, elements.into_iter().collect()))
+                .collect(),
+        }
     }
 
     /// How many objects it names: what keeping it costs, roughly.
@@ -150,7 +184,7 @@ impl Touched {
             + self.comments.len()
             + self.chains.len()
             + self.sets.len()
-            + self.elements.len()
+            + self.elements.values().map(BTreeSet::len).sum::<usize>()
     }
 
     /// Whether nothing changed.
@@ -166,6 +200,37 @@ impl Touched {
     /// elements only), so that a node's own elements in it must be restated too.
     fn replaces_set(&self, table: &TableKey, set: &str) -> bool {
         self.tables.contains(table) || self.sets.contains(&(table.clone(), set.to_owned()))
+    }
+}
+
+/// A step's [`Touched`], kept: the same objects in flat arrays. Ordered sets allocate a node of
+/// eleven entries for even one, so a step's few objects (and each changed node's) cost some
+/// kilobytes that way; here they cost about their size.
+#[derive(Debug, Default)]
+pub struct CompactTouched {
+    tables: Box<[TableKey]>,
+    comments: Box<[TableKey]>,
+    chains: Box<[(TableKey, String)]>,
+    sets: Box<[(TableKey, String)]>,
+    elements: Box<[ChangedElements]>,
+}
+
+/// The changed elements of one set.
+type ChangedElements = ((TableKey, String), Box<[Box<[u8]>]>);
+
+impl CompactTouched {
+    /// How many objects it names.
+    pub fn len(&self) -> usize {
+        self.tables.len()
+            + self.comments.len()
+            + self.chains.len()
+            + self.sets.len()
+            + self.elements.iter().map(|(_, e)| e.len()).sum::<usize>()
+    }
+
+    /// Whether it names nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -309,11 +374,13 @@ pub fn shared(target: &Model, touched: &Touched) -> RulesetDelta {
             b.set(key, t, s).elements = s.decoded().collect();
         }
     }
-    for (key, set, element) in &touched.elements {
+    for ((key, set), elements) in &touched.elements {
         if touched.replaces_set(key, set) {
             continue;
         }
-        b.element(target, key, set, element);
+        for element in elements {
+            b.element(target, key, set, element);
+        }
     }
     b.finish()
 }
@@ -324,8 +391,10 @@ pub fn shared(target: &Model, touched: &Touched) -> RulesetDelta {
 /// [`crate::overlay::delta`] sends them: tables and sets are the shared model's.
 pub fn own(target: &Model, own: &Touched, shared: &Touched) -> RulesetDelta {
     let mut b = Builder::default();
-    for (key, set, element) in &own.elements {
-        b.element(target, key, set, element);
+    for ((key, set), elements) in &own.elements {
+        for element in elements {
+            b.element(target, key, set, element);
+        }
     }
     for (key, t) in target.tables.iter() {
         for (name, s) in t.sets.iter() {

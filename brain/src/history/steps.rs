@@ -11,7 +11,7 @@
 //! and those were placed nowhere and got a snapshot (418 of 5,000 in
 //! bench/results/failover-spread/nodes-10000, whose moved nodes were back in sync up to 9.9 s
 //! after the kill, most after 8 s). A step's record is the names of what changed, up to about
-//! 15 KiB per changed Service (every endpoint replaced), so the log keeps half a minute of them.
+//! 4 KiB per changed Service (every endpoint replaced), so the log keeps half a minute of them.
 //!
 //! Steps are taken between consecutive publications of one lineage; a rebuild (a relist, new
 //! service CIDRs) shares nothing with what came before and is not diffed: the log starts again
@@ -24,16 +24,16 @@ use splitproxy_proto::model::Model;
 
 use crate::api_state::ApiState;
 use crate::fanout::Publication;
-use crate::restate::Touched;
+use crate::restate::{CompactTouched, Touched};
 
 /// How long a step is kept: longer than the slowest failover measured (13 s for 5,000 nodes
 /// moving at 10,000 nodes, bench/SCALING.md), with room.
 pub const STEP_LOG_AGE: Duration = Duration::from_secs(30);
 /// At most this many steps (30 s at the default 200 ms between publications is 150).
 pub const STEP_LOG_VERSIONS: usize = 1024;
-/// At most this many objects named over all steps. Each costs about 500 bytes of heap (its
-/// table, set and element key, in ordered sets; `history_memory` example: 30,858 objects after
-/// 1,000 one-Service changes at 10,000 Services, 15 MiB), so the log stays near 12 MiB at most:
+/// At most this many objects named over all steps. Each costs about 120 bytes of heap, kept
+/// flat ([`CompactTouched`]; `history_memory` example: 24,988 objects after 807 one-Service
+/// changes at 10,000 Services and 5,000 nodes, 2.9 MiB), so the log stays near 3 MiB at most:
 /// a mass change (every Deployment rolled at once) shortens the log instead of growing the
 /// brain.
 pub const STEP_LOG_OBJECTS: usize = 25_000;
@@ -45,9 +45,9 @@ pub struct Step {
     pub api: ApiState,
     /// What changed in the shared model since the publication before; nothing for the first
     /// of a lineage, which windows may start at but not cross.
-    pub shared: Touched,
+    pub shared: CompactTouched,
     /// The nodes whose own elements changed since the publication before, and which.
-    pub overlays: HashMap<String, Touched>,
+    pub overlays: HashMap<String, CompactTouched>,
     objects: usize,
     at: Instant,
 }
@@ -67,7 +67,7 @@ impl StepLog {
         let mut step = Step {
             version: publication.version,
             api: publication.api,
-            shared: Touched::default(),
+            shared: CompactTouched::default(),
             overlays: HashMap::new(),
             objects: 0,
             at: now,
@@ -80,8 +80,9 @@ impl StepLog {
         });
         match derived {
             Some(previous) => {
-                step.shared
-                    .shared_step(&previous.shared, &publication.shared);
+                let mut shared = Touched::default();
+                shared.shared_step(&previous.shared, &publication.shared);
+                step.shared = shared.compact();
                 step.overlays = overlay_steps(previous, publication);
             }
             None => {
@@ -89,7 +90,12 @@ impl StepLog {
                 self.objects = 0;
             }
         }
-        step.objects = step.shared.len() + step.overlays.values().map(Touched::len).sum::<usize>();
+        step.objects = step.shared.len()
+            + step
+                .overlays
+                .values()
+                .map(CompactTouched::len)
+                .sum::<usize>();
         self.objects += step.objects;
         self.steps.push_back(Arc::new(step));
         while self.steps.len() > 1
@@ -148,7 +154,7 @@ impl StepLog {
 /// Each node's own elements that changed between two publications. Unchanged overlays are
 /// the same allocation in both, so this costs a pointer comparison per node and a diff per
 /// changed overlay.
-fn overlay_steps(a: &Publication, b: &Publication) -> HashMap<String, Touched> {
+fn overlay_steps(a: &Publication, b: &Publication) -> HashMap<String, CompactTouched> {
     let mut steps = HashMap::new();
     if a.overlays.ptr_eq(&b.overlays) {
         return steps;
@@ -158,7 +164,7 @@ fn overlay_steps(a: &Publication, b: &Publication) -> HashMap<String, Touched> {
         let mut t = Touched::default();
         t.overlay_step(old.map_or(&empty, |m| m), new.map_or(&empty, |m| m));
         if !t.is_empty() {
-            steps.insert(node.clone(), t);
+            steps.insert(node.clone(), t.compact());
         }
     };
     for (node, new) in b.overlays.iter() {
