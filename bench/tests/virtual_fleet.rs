@@ -122,7 +122,11 @@ async fn virtual_nodes_converge_and_share_encoded_updates() {
         metric(&after, "splitproxy_brain_fanout_duration_seconds_count").unwrap() >= 1.0,
         "{after}"
     );
-    // The real actuators joined the parts too: they forward to both endpoints.
+    // The real actuators joined the parts too: they forward to both endpoints. The fleet's
+    // convergence says nothing of theirs: wait until the brain has their acks for the change.
+    lab.wait_synced(Duration::from_secs(10))
+        .await
+        .expect("the real actuators take the change");
     let client = lab
         .ensure_pod(
             0,
