@@ -50,31 +50,26 @@ impl History {
         }
     }
 
-    /// Keeps `publication` among the recent ones; the one before it, if it was derived from
-    /// that one.
+    /// Keeps `publication` among the recent ones; the one before it, unless `publication` is a
+    /// rebuild (which shares nothing with it, so no step between them can be taken).
     fn record_recent(&self, publication: Arc<Publication>) -> Option<Arc<Publication>> {
         let Ok(mut recent) = self.recent.lock() else {
             return None;
         };
-        let last = recent.back().cloned();
-        if let Some(last) = last.clone()
-            && !same_lineage(&last.shared, &publication.shared)
-        {
+        let mut last = recent.back().cloned();
+        if let Some(before) = last.take_if(|l| !same_lineage(&l.shared, &publication.shared)) {
             // A rebuild: nothing is shared with what came before. Keep the last state only,
             // which is what nodes most likely hold, and not even that if it is the same.
             recent.clear();
-            if !same_content(&last, &publication) {
-                recent.push_back(last);
+            if !same_content(&before, &publication) {
+                recent.push_back(before);
             }
         }
         recent.push_back(publication);
         while recent.len() > HISTORY_VERSIONS {
             recent.pop_front();
         }
-        last.filter(|l| {
-            let p = recent.back().expect("just pushed");
-            same_lineage(&l.shared, &p.shared) && p.version == l.version + 1
-        })
+        last
     }
 
     /// What `node` held at the newest remembered version where its digest was `digest`.

@@ -178,8 +178,9 @@ impl Touched {
         }
     }
 
-    /// How many objects it names: what keeping it costs, roughly.
-    pub fn len(&self) -> usize {
+    /// How many objects it names.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.tables.len()
             + self.comments.len()
             + self.chains.len()

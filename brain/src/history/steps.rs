@@ -61,7 +61,8 @@ pub struct StepLog {
 
 impl StepLog {
     /// Records `publication`; `previous` is the publication before it when it was derived
-    /// from it (same lineage, the next version), `None` after a rebuild.
+    /// from it (same lineage), `None` after a rebuild. A step is taken only from the version
+    /// just before, and the log starts again otherwise.
     pub fn record(&mut self, previous: Option<&Publication>, publication: &Publication) {
         let now = Instant::now();
         let mut step = Step {
