@@ -36,6 +36,7 @@ use crate::apply::{Applied, Applier};
 use crate::credentials::Credentials;
 use crate::discovery::{Brains, DiscoveryConfig, EndpointSlices, SliceSource};
 use crate::health::Health;
+use crate::tls_client::TlsClient;
 
 mod answer;
 mod order;
@@ -66,6 +67,8 @@ pub struct ClientConfig {
     pub server_name: Option<String>,
     pub node: String,
     pub credentials: Credentials,
+    /// The TLS client, kept across reconnects for its session tickets.
+    pub tls: Arc<TlsClient>,
 }
 
 /// How one stream ended.
@@ -161,19 +164,23 @@ async fn connect(config: &ClientConfig, brain: &Uri) -> anyhow::Result<Channel> 
         .clone()
         .or_else(|| brain.host().map(|h| h.trim_matches(['[', ']']).to_string()))
         .unwrap_or_default();
-    let tls = config.credentials.tls(&domain)?;
+    let tls = config.tls.config(&config.credentials)?;
     // The token is sent with each request (credentials::Bearer); reading it here too makes an
     // unreadable token fail before a connection is made, with the reason.
     if let Some(token) = &config.credentials.token_file {
         crate::credentials::authorization(token)?;
     }
-    Ok(Channel::builder(brain.clone())
-        .tls_config(tls)?
+    // The channel's own address is plain: the TLS is the connector's (crate::tls_client).
+    let plain = Uri::builder()
+        .scheme("http")
+        .authority(brain.authority().map(|a| a.as_str()).unwrap_or_default())
+        .path_and_query("/")
+        .build()?;
+    let endpoint = Channel::builder(plain)
         .connect_timeout(transport::CONNECT_TIMEOUT)
         .http2_keep_alive_interval(transport::KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(transport::KEEPALIVE_TIMEOUT)
-        .connect()
-        .await?)
+        .keep_alive_timeout(transport::KEEPALIVE_TIMEOUT);
+    crate::tls_client::connect(endpoint, brain, &domain, tls).await
 }
 
 /// One stream to `brain`, logged when it ends. `preferred`: the brains this node prefers to it,

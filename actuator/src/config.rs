@@ -253,6 +253,7 @@ impl Config {
             server_name: self.brain_server_name.clone(),
             node: self.node.clone(),
             credentials: self.credentials.clone(),
+            tls: Default::default(),
         }
     }
 }

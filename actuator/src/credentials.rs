@@ -5,7 +5,7 @@
 //! Every file is read again when it is used, never kept: the kubelet rotates a projected token
 //! (at 80% of its lifetime) and a certificate or CA may be rotated by whoever manages them, and
 //! the actuator must pick each up without a restart. The CA and the certificate are read at every
-//! connection ([`Credentials::tls`]); the token at every connection and for every request
+//! connection ([`Credentials::material`]); the token at every connection and for every request
 //! ([`Bearer`]), so a stream opened after a rotation presents the new token even on a connection
 //! made before it. A file caught mid-rewrite fails one attempt, and the next one reads it whole.
 use std::path::{Path, PathBuf};
@@ -13,7 +13,6 @@ use std::sync::Arc;
 
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
 use tonic::service::Interceptor;
-use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 /// Longest token file read. A ServiceAccount token is about 1 KiB; anything much larger is not
 /// a token, and must not be sent on every request.
@@ -56,16 +55,17 @@ pub enum CredentialError {
 }
 
 impl Credentials {
-    /// The TLS settings of one connection: the CA and client certificate as they are now,
-    /// verifying that the brain's certificate names `server_name`.
-    pub fn tls(&self, server_name: &str) -> Result<ClientTlsConfig, CredentialError> {
-        let mut tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(read_pem(&self.ca)?))
-            .domain_name(server_name);
-        if let Some(c) = &self.client_cert {
-            tls = tls.identity(Identity::from_pem(read_pem(&c.cert)?, read_pem(&c.key)?));
-        }
-        Ok(tls)
+    /// The CA bundle and client certificate as the files hold them now, for the TLS client
+    /// ([`crate::tls_client`]).
+    pub fn material(&self) -> Result<Material, CredentialError> {
+        let client = match &self.client_cert {
+            Some(c) => Some((read_pem(&c.cert)?, read_pem(&c.key)?)),
+            None => None,
+        };
+        Ok(Material {
+            ca: read_pem(&self.ca)?,
+            client,
+        })
     }
 
     /// What adds the token to each request (nothing without a token file).
@@ -88,6 +88,13 @@ impl Credentials {
         }
         Ok(())
     }
+}
+
+/// The contents of the TLS files: the CA bundle, and the client certificate and key.
+#[derive(PartialEq, Eq)]
+pub struct Material {
+    pub ca: Vec<u8>,
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 fn read_pem(path: &Path) -> Result<Vec<u8>, CredentialError> {

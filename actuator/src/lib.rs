@@ -17,6 +17,7 @@ pub(crate) mod netlink;
 pub mod nft;
 pub mod reconcile;
 pub mod run;
+pub mod tls_client;
 pub mod trace;
 
 pub use splitproxy_proto::process::init_logging;

@@ -1111,6 +1111,11 @@ fn failover_section(w: &mut String, r: &BenchResult) {
     );
     let _ = writeln!(
         w,
+        "| survivors' TLS handshakes (splitproxy_brain_tls_handshakes_total) | {} |",
+        by_kind(&f.tls_handshakes)
+    );
+    let _ = writeln!(
+        w,
         "| survivors' snapshots sent | {} |",
         num(f.snapshots_sent)
     );
@@ -1218,6 +1223,11 @@ fn restart_section(w: &mut String, r: &BenchResult) {
             .map(|(k, v)| format!("{k} {v}"))
             .collect::<Vec<_>>()
             .join(", ")
+    );
+    let _ = writeln!(
+        w,
+        "| TLS handshakes (splitproxy_brain_tls_handshakes_total) | {} |",
+        by_kind(&x.tls_handshakes)
     );
     let _ = writeln!(
         w,
@@ -1343,4 +1353,15 @@ pub fn relative(report: &Path, out: &Path) -> String {
         Ok(rel) if !rel.as_os_str().is_empty() => rel.display().to_string(),
         _ => o.display().to_string(),
     }
+}
+
+/// Counts by kind, "full 10, resumed 4990"; "-" when the brain reported none.
+fn by_kind(m: &std::collections::BTreeMap<String, f64>) -> String {
+    if m.is_empty() {
+        return "-".into();
+    }
+    m.iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -315,6 +315,9 @@ pub struct Failover {
     pub real_deltas_applied: f64,
     /// The surviving replicas' resumptions by kind, and the snapshots they sent, in the phase.
     pub resumptions: BTreeMap<String, f64>,
+    /// The surviving replicas' TLS handshakes in the phase, by kind (full, resumed).
+    #[serde(default)]
+    pub tls_handshakes: BTreeMap<String, f64>,
     pub snapshots_sent: Option<f64>,
     pub connections: Option<Connections>,
     pub notes: Vec<String>,
@@ -346,6 +349,9 @@ pub struct Restart {
     pub all_in_sync_seconds: Option<f64>,
     /// Sessions by how the replicas resumed them (same_epoch, by_content, snapshot).
     pub resumptions: BTreeMap<String, f64>,
+    /// The restarted replicas' TLS handshakes, by kind (full, resumed).
+    #[serde(default)]
+    pub tls_handshakes: BTreeMap<String, f64>,
     pub updates_sent: Option<f64>,
     pub snapshots_sent: Option<f64>,
     /// Updates that were deltas (updates - snapshots).

@@ -45,6 +45,8 @@ pub struct Rig {
     pub exe: PathBuf,
     pub dir: PathBuf,
     pub real: usize,
+    /// The serving certificate every replica serves (written by [`Rig::start_brains`]).
+    brain_tls: Option<TlsFiles>,
     /// One operator connection per replica, reused by every poll (a TLS handshake per poll
     /// would load the brain being measured).
     operators: Vec<tokio::sync::OnceCell<DataplaneClient<Channel>>>,
@@ -153,6 +155,7 @@ impl Rig {
             exe,
             dir: dir.to_path_buf(),
             real,
+            brain_tls: None,
             operators: Vec::new(),
         })
     }
@@ -180,6 +183,13 @@ impl Rig {
     /// Starts `n` brain replicas, each watching the API server itself, with serving
     /// certificates from the same CA the nodes trust.
     pub fn start_brains(&mut self, n: usize) -> anyhow::Result<()> {
+        // One serving certificate for every replica and restart, as a Deployment's replicas
+        // share one Secret (and so the key their TLS session tickets are made with).
+        self.brain_tls = Some(self.pki.write(
+            &self.dir,
+            "brain",
+            &self.pki.server_cert(&["127.0.0.1", "localhost", "brain"])?,
+        )?);
         for i in 0..n {
             let brain = self.spawn_brain(i, n, None, "")?;
             self.brain_addrs.push(brain.grpc);
@@ -211,6 +221,10 @@ impl Rig {
         addr: Option<SocketAddr>,
         suffix: &str,
     ) -> anyhow::Result<Brain> {
+        let mut opts = BrainOptions::with_service_cidrs(&[SERVICE_CIDR
+            .parse()
+            .context("the benchmark's service CIDR")?]);
+        opts.serving = self.brain_tls.clone();
         Brain::start(
             &self.exe,
             self.cp.kubeconfig_path(),
@@ -218,9 +232,7 @@ impl Rig {
             &self.dir,
             &format!("{}{suffix}", Self::brain_role(i, n)),
             addr,
-            &BrainOptions::with_service_cidrs(&[SERVICE_CIDR
-                .parse()
-                .context("the benchmark's service CIDR")?]),
+            &opts,
         )
     }
 

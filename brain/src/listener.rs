@@ -101,6 +101,9 @@ pub struct SurfaceMetrics {
     pub open_connections: AtomicU64,
     pub tls_reloads: AtomicU64,
     pub tls_reload_errors: AtomicU64,
+    /// Handshakes completed with the client's chain verified, and by resuming a session.
+    pub handshakes_full: AtomicU64,
+    pub handshakes_resumed: AtomicU64,
 }
 
 impl SurfaceMetrics {
@@ -167,6 +170,14 @@ impl SurfaceMetrics {
             "splitproxy_brain_open_connections",
             "gRPC connections held, handshaking or established.",
             g(&self.open_connections) as i64,
+        );
+        out.counters(
+            "splitproxy_brain_tls_handshakes_total",
+            "TLS handshakes completed, by kind: full (the client's chain verified) or resumed (a session ticket any replica issued; docs/protocol.md, \"Session tickets\").",
+            [
+                (vec![("kind", "full")], g(&self.handshakes_full)),
+                (vec![("kind", "resumed")], g(&self.handshakes_resumed)),
+            ],
         );
         out.counters(
             "splitproxy_brain_tls_reloads_total",
@@ -467,7 +478,17 @@ pub fn incoming(
                 let shake =
                     tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await;
                 let reason = match shake {
+                    // A resumed session skips the chain's verification, expiry included
+                    // (crate::session_tickets): a certificate that expired since is refused
+                    // here, as a full handshake would refuse it.
+                    Ok(Ok(io)) if resumed(&io) && expired(&io) => "expired_certificate",
                     Ok(Ok(io)) => {
+                        let counter = if resumed(&io) {
+                            &metrics.surface.handshakes_resumed
+                        } else {
+                            &metrics.surface.handshakes_full
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
                         let _ = tx.send(Ok(established(io, remote, slot))).await;
                         return;
                     }
@@ -486,6 +507,21 @@ pub fn incoming(
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Whether the handshake resumed a session from a ticket instead of verifying the client anew.
+fn resumed(io: &TlsStream<TcpStream>) -> bool {
+    io.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
+}
+
+/// Whether the client certificate the connection presented has expired.
+fn expired(io: &TlsStream<TcpStream>) -> bool {
+    io.get_ref()
+        .1
+        .peer_certificates()
+        .and_then(tls::identity_of_chain)
+        .and_then(|identity| identity.expires)
+        .is_some_and(|at| at <= SystemTime::now())
 }
 
 fn established(io: TlsStream<TcpStream>, remote: SocketAddr, slot: Slot) -> Conn {

@@ -23,6 +23,7 @@ use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
 use crate::auth::{Credential, Identity};
 use crate::metrics::Metrics;
+use crate::session_tickets::{self, ServingSeed, SharedTickets, Trust};
 
 /// How often the files' metadata is looked at, at most (on a handshake).
 const RELOAD_CHECK: Duration = Duration::from_secs(2);
@@ -111,12 +112,19 @@ pub fn server_config(
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(rustls::ALL_VERSIONS)
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    // What a session ticket is bound to besides the serving key (crate::session_tickets).
+    let mut trust = Trust::Fixed(session_tickets::trust_digest(b""));
     let builder = match (&client.own, &client.ca) {
-        (Some(own), _) => builder.with_client_cert_verifier(own.clone()),
+        (Some(own), _) => {
+            trust = Trust::Own(own.clone());
+            builder.with_client_cert_verifier(own.clone())
+        }
         (None, None) => builder.with_no_client_auth(),
         (None, Some(client_ca)) => {
             let mut roots = rustls::RootCertStore::empty();
-            for ca in CertificateDer::pem_slice_iter(&read(client_ca)?) {
+            let bundle = read(client_ca)?;
+            trust = Trust::Fixed(session_tickets::trust_digest(&bundle));
+            for ca in CertificateDer::pem_slice_iter(&bundle) {
                 let ca = ca.map_err(|e| pem_error(client_ca, e))?;
                 roots.add(ca).map_err(|e| pem_error(client_ca, e))?;
             }
@@ -131,17 +139,26 @@ pub fn server_config(
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut config = match serving {
+    let (mut config, seed) = match serving {
         ServingSource::Files { cert, key } => {
             let chain = chain_from_pem(&read(cert)?, cert)?;
             let key = PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| pem_error(key, e))?;
-            builder
+            let seed = ServingSeed::Fixed(session_tickets::key_digest(key.secret_der()));
+            let config = builder
                 .with_single_cert(chain, key)
-                .map_err(|e| TlsError::Rustls(e.to_string()))?
+                .map_err(|e| TlsError::Rustls(e.to_string()))?;
+            (config, seed)
         }
-        ServingSource::Managed(current) => builder.with_cert_resolver(current.clone()),
+        ServingSource::Managed(current) => (
+            builder.with_cert_resolver(current.clone()),
+            ServingSeed::Managed(current.clone()),
+        ),
     };
     config.alpn_protocols = vec![b"h2".to_vec()];
+    // Tickets any replica opens (a node failing over resumes its session); one per
+    // connection, as a node holds one connection at a time.
+    config.ticketer = Arc::new(SharedTickets::new(seed, trust));
+    config.send_tls13_tickets = 1;
     Ok(config)
 }
 
@@ -152,6 +169,8 @@ pub fn server_config(
 #[derive(Default)]
 pub struct ServingCert {
     current: RwLock<Option<Arc<CertifiedKey>>>,
+    /// A digest of its key, for the session tickets' key (never the key itself).
+    ticket_seed: RwLock<Option<[u8; 32]>>,
 }
 
 impl std::fmt::Debug for ServingCert {
@@ -176,9 +195,15 @@ impl ServingCert {
         // The key's parse error is not shown: it could quote key material.
         let key = PrivateKeyDer::from_pem_slice(key_pem)
             .map_err(|_| pem_error(Path::new("the Secret's tls.key"), "not a PEM private key"))?;
+        let seed = session_tickets::key_digest(key.secret_der());
         let provider = rustls::crypto::ring::default_provider();
         let certified = CertifiedKey::from_der(chain, key, &provider)
             .map_err(|e| TlsError::Rustls(e.to_string()))?;
+        // The seed first: a handshake answered with the new certificate issues tickets under
+        // its key (one in between issues a ticket that opens nowhere, never a wrong one).
+        if let Ok(mut s) = self.ticket_seed.write() {
+            *s = Some(seed);
+        }
         if let Ok(mut c) = self.current.write() {
             *c = Some(Arc::new(certified));
         }
@@ -188,6 +213,11 @@ impl ServingCert {
     /// Whether a certificate is installed.
     pub fn is_ready(&self) -> bool {
         self.current.read().map(|c| c.is_some()).unwrap_or(false)
+    }
+
+    /// The digest of the installed key the session tickets' key is derived from.
+    pub fn ticket_seed(&self) -> Option<[u8; 32]> {
+        *self.ticket_seed.read().ok()?
     }
 
     /// The leaf certificate served now.
@@ -482,5 +512,129 @@ mod tests {
         );
         assert_ne!(serving.leaf().unwrap().as_ref(), &der[..]);
         assert!(!format!("{serving:?}").contains("PRIVATE"));
+    }
+}
+
+/// Session tickets between replicas (crate::session_tickets), through real handshakes.
+#[cfg(test)]
+mod ticket_tests {
+    use std::sync::Arc;
+
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    use rustls::HandshakeKind;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    fn ca(name: &str) -> (String, Issuer<'static, KeyPair>) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let pem = params.self_signed(&key).unwrap().pem();
+        (pem, Issuer::new(params, key))
+    }
+
+    fn leaf(ca: &Issuer<'static, KeyPair>, cn: &str) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec![cn.to_string()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        let cert = params.signed_by(&key, ca).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// One handshake of `client` with a server of `server`, over an in-memory pipe, the ticket
+    /// the server sends read by the client: how each side saw it, and who the server says the
+    /// client is.
+    async fn handshake(
+        server: Arc<ServerConfig>,
+        client: Arc<rustls::ClientConfig>,
+    ) -> (HandshakeKind, HandshakeKind, Vec<String>) {
+        let (c, s) = tokio::io::duplex(64 * 1024);
+        let serve = async move {
+            let mut tls = tokio_rustls::TlsAcceptor::from(server)
+                .accept(s)
+                .await
+                .unwrap();
+            tls.write_all(b"x").await.unwrap();
+            tls.flush().await.unwrap();
+            let conn = tls.get_ref().1;
+            let names = conn
+                .peer_certificates()
+                .and_then(identity_of_chain)
+                .map(|i| i.names)
+                .unwrap_or_default();
+            (conn.handshake_kind().unwrap(), names, tls)
+        };
+        let connect = async move {
+            let name = rustls::pki_types::ServerName::try_from("brain").unwrap();
+            let mut tls = tokio_rustls::TlsConnector::from(client)
+                .connect(name, c)
+                .await
+                .unwrap();
+            let mut byte = [0u8; 1];
+            tls.read_exact(&mut byte).await.unwrap();
+            tls.get_ref().1.handshake_kind().unwrap()
+        };
+        let ((server_kind, names, _keep), client_kind) = tokio::join!(serve, connect);
+        (client_kind, server_kind, names)
+    }
+
+    #[tokio::test]
+    async fn a_node_resumes_at_another_replica_until_the_client_ca_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca_pem, issuer) = ca("ca");
+        let (brain_cert, brain_key) = leaf(&issuer, "brain");
+        let (node_cert, node_key) = leaf(&issuer, "node-1");
+        let (cert, key, client_ca) = (
+            dir.path().join("tls.crt"),
+            dir.path().join("tls.key"),
+            dir.path().join("client-ca.crt"),
+        );
+        std::fs::write(&cert, &brain_cert).unwrap();
+        std::fs::write(&key, &brain_key).unwrap();
+        std::fs::write(&client_ca, &ca_pem).unwrap();
+        let serving = ServingSource::Files { cert, key };
+        let auth = ClientAuth {
+            ca: Some(client_ca.clone()),
+            optional: true,
+            own: None,
+        };
+        // Two replicas: the same files, each its own configuration (and ticketer).
+        let a = Arc::new(server_config(&serving, &auth).unwrap());
+        let b = Arc::new(server_config(&serving, &auth).unwrap());
+
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap())
+            .unwrap();
+        let chain = vec![CertificateDer::from_pem_slice(node_cert.as_bytes()).unwrap()];
+        let node_key = PrivateKeyDer::from_pem_slice(node_key.as_bytes()).unwrap();
+        let mut client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, node_key)
+        .unwrap();
+        client.alpn_protocols = vec![b"h2".to_vec()];
+        let client = Arc::new(client);
+
+        let (c, s, _) = handshake(a.clone(), client.clone()).await;
+        assert_eq!((c, s), (HandshakeKind::Full, HandshakeKind::Full));
+        // Replica A issued the ticket; replica B opens it, and knows the node from it.
+        let (c, s, names) = handshake(b.clone(), client.clone()).await;
+        assert_eq!((c, s), (HandshakeKind::Resumed, HandshakeKind::Resumed));
+        assert_eq!(names, ["node-1"]);
+
+        // The client CA bundle changes (another CA added): no ticket issued before opens, and
+        // the node is verified again in a full handshake.
+        let (other_ca, _) = ca("other");
+        std::fs::write(&client_ca, format!("{ca_pem}{other_ca}")).unwrap();
+        let c_replica = Arc::new(server_config(&serving, &auth).unwrap());
+        let (c, s, names) = handshake(c_replica, client.clone()).await;
+        assert_eq!((c, s), (HandshakeKind::Full, HandshakeKind::Full));
+        assert_eq!(names, ["node-1"]);
     }
 }

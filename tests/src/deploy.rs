@@ -68,6 +68,9 @@ pub struct BrainOptions {
     pub managed_tls: Option<ManagedTls>,
     /// Environment variables set for the brain's process (e.g. the OTEL_* of a trace receiver).
     pub env: Vec<(String, String)>,
+    /// A serving certificate and key to serve instead of one issued for this brain: replicas
+    /// of one Deployment share a single Secret, and with it their TLS session tickets' key.
+    pub serving: Option<crate::certs::TlsFiles>,
 }
 
 impl Default for BrainOptions {
@@ -81,6 +84,7 @@ impl Default for BrainOptions {
             extra_args: Vec::new(),
             managed_tls: None,
             env: Vec::new(),
+            serving: None,
         }
     }
 }
@@ -117,11 +121,14 @@ impl Brain {
         opts: &BrainOptions,
     ) -> Result<Brain> {
         std::fs::create_dir_all(dir)?;
-        let tls = pki.write(
-            dir,
-            name,
-            &pki.server_cert(&["127.0.0.1", "localhost", name])?,
-        )?;
+        let tls = match &opts.serving {
+            Some(files) => files.clone(),
+            None => pki.write(
+                dir,
+                name,
+                &pki.server_cert(&["127.0.0.1", "localhost", name])?,
+            )?,
+        };
         let bound = dir.join(format!("{name}.addresses"));
         let _ = std::fs::remove_file(&bound);
         let listen = grpc.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));

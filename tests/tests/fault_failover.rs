@@ -191,6 +191,8 @@ async fn failover_and_restart_resume_by_content_without_snapshots() {
     let by_content = "splitproxy_brain_resumptions_total{kind=\"by_content\"}";
     let survivor_snapshots = brain_counter(&lab, survivor, snapshots_sent);
     let survivor_by_content = brain_counter(&lab, survivor, by_content);
+    let resumed = "splitproxy_brain_tls_handshakes_total{kind=\"resumed\"}";
+    let survivor_resumed = brain_counter(&lab, survivor, resumed);
     let node_snapshots: Vec<f64> = (0..names.len())
         .map(|i| snapshots_applied(&lab, i))
         .collect();
@@ -211,6 +213,11 @@ async fn failover_and_restart_resume_by_content_without_snapshots() {
         brain_counter(&lab, survivor, by_content) - survivor_by_content,
         moved.len() as f64,
         "every moved node resumed by content"
+    );
+    // Their TLS sessions too: the victim's tickets open at the survivor (session_tickets).
+    assert!(
+        brain_counter(&lab, survivor, resumed) - survivor_resumed >= moved.len() as f64,
+        "every moved node resumed its TLS session at brain-{survivor}"
     );
     for i in 0..names.len() {
         assert_eq!(

@@ -206,6 +206,7 @@ async fn an_expired_token_reconnects_at_once_to_the_same_brain_with_the_new_one(
             client_cert: None,
             token_file: Some(token.clone()),
         },
+        tls: Default::default(),
     };
     let health = Arc::new(Health::default());
     let applier = Arc::new(Mutex::new(Applier::new(
@@ -276,6 +277,7 @@ async fn without_a_token_nothing_is_sent_and_an_unreadable_one_is_named() {
             client_cert: None,
             token_file: Some(dir.path().join("missing-token")),
         },
+        tls: Default::default(),
     };
     let e = connect(&config, &brain).await.unwrap_err();
     assert!(format!("{e:#}").contains("missing-token"), "{e:#}");

@@ -25,6 +25,7 @@ use crate::workload::{Endpoint, ServiceState, SliceState, cluster_ip, node_name}
 
 const SNAPSHOTS_SENT: &str = "splitproxy_brain_snapshots_sent_total";
 const RESUMPTIONS: &str = "splitproxy_brain_resumptions_total";
+const HANDSHAKES: &str = "splitproxy_brain_tls_handshakes_total";
 const ACT_SNAPSHOTS: &str = "splitproxy_actuator_snapshots_applied_total";
 const ACT_DELTAS: &str = "splitproxy_actuator_deltas_applied_total";
 /// The Service port and the pod server's port (the workload's ports).
@@ -223,6 +224,13 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
             out.resumptions.insert(kind.to_string(), v);
         }
     }
+    for kind in ["full", "resumed"] {
+        if let Some(v) = delta.counter_where(HANDSHAKES, |l| {
+            l.iter().any(|(k, v)| k == "kind" && v == kind)
+        }) {
+            out.tls_handshakes.insert(kind.to_string(), v);
+        }
+    }
     out.snapshots_sent = delta.counter(SNAPSHOTS_SENT);
 
     if let Some(p) = probe {
@@ -248,8 +256,8 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
     }
     println!(
         "[bench]   failover: {} moved nodes back in sync after {} (p50 {}); {} bytes per moved \
-         node against a {} byte snapshot; {} snapshots, {} deltas; resumptions {:?}; \
-         connections {}",
+         node against a {} byte snapshot; {} snapshots, {} deltas; resumptions {:?}; TLS \
+         handshakes {:?}; connections {}",
         out.moved_nodes,
         secs(out.back_in_sync_seconds),
         secs(out.back_in_sync.p50),
@@ -260,6 +268,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
         out.snapshots_received,
         out.deltas_received,
         out.resumptions,
+        out.tls_handshakes,
         out.connections
             .as_ref()
             .map_or("not run".into(), |c| format!(

@@ -13,6 +13,7 @@ use crate::rig::{Rig, all_in_sync};
 
 const SNAPSHOTS_SENT: &str = "splitproxy_brain_snapshots_sent_total";
 const RESUMPTIONS: &str = "splitproxy_brain_resumptions_total";
+const HANDSHAKES: &str = "splitproxy_brain_tls_handshakes_total";
 const ACT_SNAPSHOTS: &str = "splitproxy_actuator_snapshots_applied_total";
 const ACT_DELTAS: &str = "splitproxy_actuator_deltas_applied_total";
 const PUBLICATIONS: &str = "splitproxy_brain_publications_total";
@@ -112,6 +113,13 @@ pub async fn restart(b: &mut Bench, full_resync_bytes: Option<f64>) -> anyhow::R
             out.resumptions.insert(kind.to_string(), v);
         }
     }
+    for kind in ["full", "resumed"] {
+        if let Some(v) = all.counter_where(HANDSHAKES, |l| {
+            l.iter().any(|(k, v)| k == "kind" && v == kind)
+        }) {
+            out.tls_handshakes.insert(kind.to_string(), v);
+        }
+    }
     out.updates_sent = all.counter(UPDATES_SENT);
     out.snapshots_sent = all.counter(SNAPSHOTS_SENT);
     out.bytes_sent = all.counter(BYTES_SENT);
@@ -148,11 +156,12 @@ pub async fn restart(b: &mut Bench, full_resync_bytes: Option<f64>) -> anyhow::R
     }
     println!(
         "[bench]   restart: every node in sync {} after the restart (ready after {}); \
-         resumptions {:?}; {} updates ({} snapshots), {} bytes = {} of a full resync; virtual \
-         nodes: {} snapshots, {} deltas, {} nothing",
+         resumptions {:?}; TLS handshakes {:?}; {} updates ({} snapshots), {} bytes = {} of a \
+         full resync; virtual nodes: {} snapshots, {} deltas, {} nothing",
         secs(out.all_in_sync_seconds),
         secs(out.ready_seconds),
         out.resumptions,
+        out.tls_handshakes,
         out.updates_sent.unwrap_or(0.0),
         out.snapshots_sent.unwrap_or(0.0),
         out.bytes_sent.unwrap_or(0.0),

@@ -98,6 +98,11 @@ impl OwnCa {
         true
     }
 
+    /// The CA bundle client certificates are verified against now (PEM).
+    pub fn bundle(&self) -> Option<String> {
+        self.current.read().ok()?.as_ref().map(|c| c.bundle.clone())
+    }
+
     fn verifier(&self) -> Option<Arc<dyn ClientCertVerifier>> {
         self.current
             .read()
