@@ -128,18 +128,21 @@ impl SharedTickets {
         let key = self.key(period)?;
         let mut nonce = [0u8; NONCE_LEN];
         self.rng.fill(&mut nonce).ok()?;
+        // One allocation: header, nonce, the state sealed where it lies, the tag.
         let mut out = Vec::with_capacity(HEADER + NONCE_LEN + plain.len() + TAG);
         out.push(VERSION);
         out.extend_from_slice(&period.to_be_bytes());
         out.extend_from_slice(&nonce);
-        let mut sealed = plain.to_vec();
-        key.seal_in_place_append_tag(
-            Nonce::assume_unique_for_key(nonce),
-            Aad::from(&out[..HEADER]),
-            &mut sealed,
-        )
-        .ok()?;
-        out.extend_from_slice(&sealed);
+        out.extend_from_slice(plain);
+        let (head, body) = out.split_at_mut(HEADER + NONCE_LEN);
+        let tag = key
+            .seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(&head[..HEADER]),
+                body,
+            )
+            .ok()?;
+        out.extend_from_slice(tag.as_ref());
         Some(out)
     }
 
@@ -154,11 +157,13 @@ impl SharedTickets {
         }
         let key = self.key(period)?;
         let nonce = Nonce::try_assume_unique_for_key(&ticket[HEADER..HEADER + NONCE_LEN]).ok()?;
-        let mut sealed = ticket[HEADER + NONCE_LEN..].to_vec();
-        let plain = key
-            .open_in_place(nonce, Aad::from(&ticket[..HEADER]), &mut sealed)
-            .ok()?;
-        Some(plain.to_vec())
+        let mut plain = ticket[HEADER + NONCE_LEN..].to_vec();
+        let len = key
+            .open_in_place(nonce, Aad::from(&ticket[..HEADER]), &mut plain)
+            .ok()?
+            .len();
+        plain.truncate(len);
+        Some(plain)
     }
 }
 
