@@ -248,6 +248,34 @@ mod tests {
         }
     }
 
+    /// A managed certificate (the Secret's) is followed: a rotated key opens no earlier ticket.
+    #[test]
+    fn a_rotated_managed_key_opens_no_earlier_ticket() {
+        let install = |cert: &ServingCert| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let pem = rcgen::CertificateParams::new(vec!["brain".to_string()])
+                .unwrap()
+                .self_signed(&key)
+                .unwrap()
+                .pem();
+            assert!(
+                cert.install(pem.as_bytes(), key.serialize_pem().as_bytes())
+                    .unwrap()
+            );
+        };
+        let cert = Arc::new(ServingCert::default());
+        install(&cert);
+        let r = SharedTickets::new(
+            ServingSeed::Managed(cert.clone()),
+            Trust::Fixed(trust_digest(b"")),
+        );
+        let t = r.encrypt_at(b"s", NOW).unwrap();
+        assert!(r.decrypt_at(&t, NOW).is_some());
+        install(&cert);
+        assert!(r.decrypt_at(&t, NOW).is_none());
+        assert!(r.encrypt_at(b"s", NOW).is_some());
+    }
+
     #[test]
     fn no_ticket_before_there_is_a_serving_certificate() {
         let r = SharedTickets::new(

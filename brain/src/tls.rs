@@ -513,35 +513,6 @@ mod tests {
         assert_ne!(serving.leaf().unwrap().as_ref(), &der[..]);
         assert!(!format!("{serving:?}").contains("PRIVATE"));
     }
-}
-
-/// Session tickets between replicas (crate::session_tickets), through real handshakes.
-#[cfg(test)]
-mod ticket_tests {
-    use std::sync::Arc;
-
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-    use rustls::HandshakeKind;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    use super::*;
-
-    fn ca(name: &str) -> (String, Issuer<'static, KeyPair>) {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        let pem = params.self_signed(&key).unwrap().pem();
-        (pem, Issuer::new(params, key))
-    }
-
-    fn leaf(ca: &Issuer<'static, KeyPair>, cn: &str) -> (String, String) {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(vec![cn.to_string()]).unwrap();
-        params.distinguished_name.push(DnType::CommonName, cn);
-        let cert = params.signed_by(&key, ca).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
 
     /// One handshake of `client` with a server of `server`, over an in-memory pipe, the ticket
     /// the server sends read by the client: how each side saw it, and who the server says the
@@ -549,13 +520,14 @@ mod ticket_tests {
     async fn handshake(
         server: Arc<ServerConfig>,
         client: Arc<rustls::ClientConfig>,
-    ) -> (HandshakeKind, HandshakeKind, Vec<String>) {
+    ) -> (rustls::HandshakeKind, rustls::HandshakeKind, Vec<String>) {
         let (c, s) = tokio::io::duplex(64 * 1024);
         let serve = async move {
             let mut tls = tokio_rustls::TlsAcceptor::from(server)
                 .accept(s)
                 .await
                 .unwrap();
+            use tokio::io::AsyncWriteExt;
             tls.write_all(b"x").await.unwrap();
             tls.flush().await.unwrap();
             let conn = tls.get_ref().1;
@@ -572,6 +544,7 @@ mod ticket_tests {
                 .connect(name, c)
                 .await
                 .unwrap();
+            use tokio::io::AsyncReadExt;
             let mut byte = [0u8; 1];
             tls.read_exact(&mut byte).await.unwrap();
             tls.get_ref().1.handshake_kind().unwrap()
@@ -583,9 +556,9 @@ mod ticket_tests {
     #[tokio::test]
     async fn a_node_resumes_at_another_replica_until_the_client_ca_changes() {
         let dir = tempfile::tempdir().unwrap();
-        let (ca_pem, issuer) = ca("ca");
-        let (brain_cert, brain_key) = leaf(&issuer, "brain");
-        let (node_cert, node_key) = leaf(&issuer, "node-1");
+        let root = ca("ca");
+        let (brain_cert, _, brain_key) = leaf(&root, "brain", &[]);
+        let (node_cert, _, node_key) = leaf(&root, "node-1", &[]);
         let (cert, key, client_ca) = (
             dir.path().join("tls.crt"),
             dir.path().join("tls.key"),
@@ -593,7 +566,7 @@ mod ticket_tests {
         );
         std::fs::write(&cert, &brain_cert).unwrap();
         std::fs::write(&key, &brain_key).unwrap();
-        std::fs::write(&client_ca, &ca_pem).unwrap();
+        std::fs::write(&client_ca, &root.pem).unwrap();
         let serving = ServingSource::Files { cert, key };
         let auth = ClientAuth {
             ca: Some(client_ca.clone()),
@@ -606,7 +579,7 @@ mod ticket_tests {
 
         let mut roots = rustls::RootCertStore::empty();
         roots
-            .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap())
+            .add(CertificateDer::from_pem_slice(root.pem.as_bytes()).unwrap())
             .unwrap();
         let chain = vec![CertificateDer::from_pem_slice(node_cert.as_bytes()).unwrap()];
         let node_key = PrivateKeyDer::from_pem_slice(node_key.as_bytes()).unwrap();
@@ -622,19 +595,31 @@ mod ticket_tests {
         let client = Arc::new(client);
 
         let (c, s, _) = handshake(a.clone(), client.clone()).await;
-        assert_eq!((c, s), (HandshakeKind::Full, HandshakeKind::Full));
+        assert_eq!(
+            (c, s),
+            (rustls::HandshakeKind::Full, rustls::HandshakeKind::Full)
+        );
         // Replica A issued the ticket; replica B opens it, and knows the node from it.
         let (c, s, names) = handshake(b.clone(), client.clone()).await;
-        assert_eq!((c, s), (HandshakeKind::Resumed, HandshakeKind::Resumed));
-        assert_eq!(names, ["node-1"]);
+        assert_eq!(
+            (c, s),
+            (
+                rustls::HandshakeKind::Resumed,
+                rustls::HandshakeKind::Resumed
+            )
+        );
+        assert_eq!(names, ["alias.example", "node-1"]);
 
         // The client CA bundle changes (another CA added): no ticket issued before opens, and
         // the node is verified again in a full handshake.
-        let (other_ca, _) = ca("other");
-        std::fs::write(&client_ca, format!("{ca_pem}{other_ca}")).unwrap();
+        let other = ca("other");
+        std::fs::write(&client_ca, format!("{}{}", root.pem, other.pem)).unwrap();
         let c_replica = Arc::new(server_config(&serving, &auth).unwrap());
         let (c, s, names) = handshake(c_replica, client.clone()).await;
-        assert_eq!((c, s), (HandshakeKind::Full, HandshakeKind::Full));
-        assert_eq!(names, ["node-1"]);
+        assert_eq!(
+            (c, s),
+            (rustls::HandshakeKind::Full, rustls::HandshakeKind::Full)
+        );
+        assert_eq!(names, ["alias.example", "node-1"]);
     }
 }
