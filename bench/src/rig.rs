@@ -185,11 +185,7 @@ impl Rig {
     pub fn start_brains(&mut self, n: usize) -> anyhow::Result<()> {
         // One serving certificate for every replica and restart, as a Deployment's replicas
         // share one Secret (and so the key their TLS session tickets are made with).
-        self.brain_tls = Some(self.pki.write(
-            &self.dir,
-            "brain",
-            &self.pki.server_cert(&["127.0.0.1", "localhost", "brain"])?,
-        )?);
+        self.brain_tls = Some(Brain::serving_files(&self.pki, &self.dir, "brain")?);
         for i in 0..n {
             let brain = self.spawn_brain(i, n, None, "")?;
             self.brain_addrs.push(brain.grpc);

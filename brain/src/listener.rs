@@ -478,19 +478,31 @@ pub fn incoming(
                 let shake =
                     tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await;
                 let reason = match shake {
-                    // A resumed session skips the chain's verification, expiry included
-                    // (crate::session_tickets): a certificate that expired since is refused
-                    // here, as a full handshake would refuse it.
-                    Ok(Ok(io)) if resumed(&io) && expired(&io) => "expired_certificate",
                     Ok(Ok(io)) => {
-                        let counter = if resumed(&io) {
-                            &metrics.surface.handshakes_resumed
+                        let resumed =
+                            io.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+                        let identity = io
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .and_then(tls::identity_of_chain)
+                            .unwrap_or_default();
+                        // A resumed session skips the chain's verification, expiry included
+                        // (crate::session_tickets): a certificate that expired since is
+                        // refused here, as a full handshake would refuse it.
+                        if resumed && identity.expires.is_some_and(|at| at <= SystemTime::now()) {
+                            "expired_certificate"
                         } else {
-                            &metrics.surface.handshakes_full
-                        };
-                        counter.fetch_add(1, Ordering::Relaxed);
-                        let _ = tx.send(Ok(established(io, remote, slot))).await;
-                        return;
+                            let counter = if resumed {
+                                &metrics.surface.handshakes_resumed
+                            } else {
+                                &metrics.surface.handshakes_full
+                            };
+                            counter.fetch_add(1, Ordering::Relaxed);
+                            let conn = established(io, identity, remote, slot);
+                            let _ = tx.send(Ok(conn)).await;
+                            return;
+                        }
                     }
                     Err(_) => "timeout",
                     Ok(Err(e)) => {
@@ -509,28 +521,13 @@ pub fn incoming(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Whether the handshake resumed a session from a ticket instead of verifying the client anew.
-fn resumed(io: &TlsStream<TcpStream>) -> bool {
-    io.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
-}
-
-/// Whether the client certificate the connection presented has expired.
-fn expired(io: &TlsStream<TcpStream>) -> bool {
-    io.get_ref()
-        .1
-        .peer_certificates()
-        .and_then(tls::identity_of_chain)
-        .and_then(|identity| identity.expires)
-        .is_some_and(|at| at <= SystemTime::now())
-}
-
-fn established(io: TlsStream<TcpStream>, remote: SocketAddr, slot: Slot) -> Conn {
-    let identity = io
-        .get_ref()
-        .1
-        .peer_certificates()
-        .and_then(tls::identity_of_chain)
-        .unwrap_or_default();
+/// The connection as tonic gets it, with what its certificate (`identity`) vouches for.
+fn established(
+    io: TlsStream<TcpStream>,
+    identity: Identity,
+    remote: SocketAddr,
+    slot: Slot,
+) -> Conn {
     let expiry = identity.expires.and_then(|at| {
         let at = at + EXPIRY_GRACE;
         Some((at, Box::pin(tokio::time::sleep_until(instant_of(at)?))))

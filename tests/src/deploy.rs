@@ -70,7 +70,7 @@ pub struct BrainOptions {
     pub env: Vec<(String, String)>,
     /// A serving certificate and key to serve instead of one issued for this brain: replicas
     /// of one Deployment share a single Secret, and with it their TLS session tickets' key.
-    pub serving: Option<crate::certs::TlsFiles>,
+    pub serving: Option<TlsFiles>,
 }
 
 impl Default for BrainOptions {
@@ -109,6 +109,17 @@ impl BrainOptions {
 }
 
 impl Brain {
+    /// A serving certificate from `pki` for a brain called `name` (also its file names), for
+    /// 127.0.0.1 and localhost. Given to several replicas as [`BrainOptions::serving`], it is
+    /// their one Secret.
+    pub fn serving_files(pki: &Pki, dir: &Path, name: &str) -> Result<TlsFiles> {
+        pki.write(
+            dir,
+            name,
+            &pki.server_cert(&["127.0.0.1", "localhost", name])?,
+        )
+    }
+
     /// Starts a brain against the API server of `kubeconfig`, with mTLS from `pki`, and waits
     /// until its gRPC port accepts connections. `grpc` may be given to reuse an address.
     pub fn start(
@@ -123,11 +134,7 @@ impl Brain {
         std::fs::create_dir_all(dir)?;
         let tls = match &opts.serving {
             Some(files) => files.clone(),
-            None => pki.write(
-                dir,
-                name,
-                &pki.server_cert(&["127.0.0.1", "localhost", name])?,
-            )?,
+            None => Brain::serving_files(pki, dir, name)?,
         };
         let bound = dir.join(format!("{name}.addresses"));
         let _ = std::fs::remove_file(&bound);

@@ -447,8 +447,7 @@ impl Lab {
         // Every replica serves one certificate, as the chart's replicas share one Secret (and
         // with it the key of their TLS session tickets: a node failing over resumes its session).
         if self.opts.brain.serving.is_none() && self.opts.brain.managed_tls.is_none() {
-            let pair = self.pki.server_cert(&["127.0.0.1", "localhost", "brain"])?;
-            self.opts.brain.serving = Some(self.pki.write(&self.dir, "brain", &pair)?);
+            self.opts.brain.serving = Some(Brain::serving_files(&self.pki, &self.dir, "brain")?);
         }
         for i in 0..self.opts.brains {
             let brain = self.spawn_brain(i, None)?;
