@@ -11,12 +11,22 @@
 //!
 //! Several dumps are not one snapshot of the kernel: the read takes the ruleset generation
 //! before and after, and reads again when a commit came in between.
+//!
+//! One dump is not always one snapshot either, with no commit at all. The kernel dumps a hash
+//! set (nft_set_rhash) by walking its table and resumes each dump message by counting the
+//! elements already sent. It grows that table in the background after a large insertion, and
+//! a resize between two messages of a dump changes the walk's order: some elements come twice
+//! and as many never come (a count-based resume over a reordered walk sends at least every
+//! element's worth, so a missing element implies a repeated one). The generation does not
+//! move and the dump is not marked interrupted, so the reader checks the one thing it can: an
+//! element a set's dump repeats makes the read torn, and it reads again after a pause.
 
 use std::io;
+use std::time::Duration;
 
 use prost::Message;
 use splitproxy_proto::model::{Model, TableKey, element_key_bytes};
-use splitproxy_proto::v1::{CtDirection, CtKey, Family, Set, expr::Kind};
+use splitproxy_proto::v1::{CtDirection, CtKey, Element, Family, Set, expr::Kind};
 
 use super::consts::*;
 use super::error::DecodeError;
@@ -25,8 +35,12 @@ use super::socket::NftSocket;
 use super::{chain, element, rule, set, table};
 use crate::netlink::attr::{Attrs, NlaBuf};
 
-/// How often a read is retried when a commit lands while it runs.
-const ATTEMPTS: usize = 3;
+/// How often a read is retried when a commit lands while it runs, or a dump is torn.
+const ATTEMPTS: usize = 4;
+
+/// The pause before reading again after a torn dump, times the attempt: a background resize
+/// of a hash set with 100,000 elements takes milliseconds.
+const TORN_PAUSE: Duration = Duration::from_millis(20);
 
 /// Why the tables could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -92,13 +106,17 @@ impl NftSocket {
     /// absent is absent from the model; an object the actuator cannot read back is an error.
     pub fn read_tables(&mut self, table: &str) -> Result<ReadTables, ReadError> {
         let mut last = None;
-        for _ in 0..ATTEMPTS {
+        for attempt in 0..ATTEMPTS {
+            if last.is_some() {
+                std::thread::sleep(TORN_PAUSE * attempt as u32);
+            }
             let before = self.generation()?;
             let read = self.read_once(table);
             let generation = self.generation()?;
             if generation != before {
                 // A commit landed meanwhile: whatever was read (or failed to decode, such as a
                 // rule of a chain created between two dumps) may mix two states.
+                tracing::debug!(attempt, "a commit landed during the read: reading again");
                 last = Some(io::Error::other(
                     "the ruleset kept changing while it was read",
                 ));
@@ -106,7 +124,10 @@ impl NftSocket {
             }
             match read {
                 Ok(model) => return Ok(ReadTables { model, generation }),
-                Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::Interrupted => last = Some(e),
+                Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::Interrupted => {
+                    tracing::debug!(attempt, error = %e, "reading the tables again");
+                    last = Some(e)
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -231,15 +252,45 @@ impl NftSocket {
             }
             let mut elements = Vec::with_capacity(entries.len());
             element::decode(&layout, entries, &mut elements)?;
-            for e in elements {
-                model.insert_element(
-                    &key,
-                    &s.name,
-                    element_key_bytes(&e),
-                    e.encode_to_vec().into_boxed_slice(),
-                );
-            }
+            insert_elements(model, &key, &s.name, elements)?;
         }
         Ok(())
     }
+}
+
+/// Puts one set's dumped elements into `model` (where the set is still empty), and refuses a
+/// dump that sent an element twice: the walk was torn by a resize (see the module's doc),
+/// and other elements are missing. `Interrupted`, so that [`NftSocket::read_tables`] reads
+/// again.
+pub(super) fn insert_elements(
+    model: &mut Model,
+    key: &TableKey,
+    set: &str,
+    elements: Vec<Element>,
+) -> io::Result<()> {
+    let sent = elements.len();
+    for e in elements {
+        model.insert_element(
+            key,
+            set,
+            element_key_bytes(&e),
+            e.encode_to_vec().into_boxed_slice(),
+        );
+    }
+    let held = model
+        .tables
+        .get(key)
+        .and_then(|t| t.sets.get(set))
+        .map_or(0, |s| s.elements.len());
+    if held == sent {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::Interrupted,
+        format!(
+            "the dump of set {set} sent {} elements more than once: the kernel resized it \
+             during the dump",
+            sent - held
+        ),
+    ))
 }
