@@ -31,15 +31,8 @@ pub mod steps;
 
 use steps::{Step, StepLog};
 
-/// Publications kept, the current one included: 3.2 s at the fastest publication pace (one
-/// per 200 ms), about 7 s under the benchmark's churn, and as long as the cluster is quiet.
-/// Under churn each kept publication holds what its changes copied of the persistent maps: 32
-/// of them raised the brain's peak RSS by 25 MiB over 20 s of the benchmark's churn at 5,000
-/// nodes, 16 by 15 MiB. Nodes that present the API state they hold (every node a brain
-/// served) are placed by the step log instead, which reaches 30 s back; only a node whose
-/// actuator restarted and adopted its tables presents a digest alone, and one older than this
-/// gets a snapshot, which its actuator applies as a diff against the tables it holds.
-pub const HISTORY_VERSIONS: usize = 16;
+/// Publications kept, the current one included.
+pub const HISTORY_VERSIONS: usize = 32;
 
 /// The last [`HISTORY_VERSIONS`] publications, oldest first, and the last half minute's steps.
 #[derive(Default)]

@@ -6,8 +6,8 @@
 //! its value in the latest one. Keeping whole publications costs what their changes copied of
 //! the persistent maps (about 100 KiB per one-Service change at 10,000 Services and 5,000 nodes,
 //! `history_memory` example), so the history keeps only [`super::HISTORY_VERSIONS`] of them:
-//! 3.2 s at the brain's fastest publication pace (one per 200 ms), which churn spread over each
-//! second reaches (6.4 s when it kept 32). A failover at 10,000 nodes takes longer than that to reach its last nodes,
+//! 6.4 s at the brain's fastest publication pace (one per 200 ms), which churn spread over each
+//! second reaches. A failover at 10,000 nodes takes longer than that to reach its last nodes,
 //! and those were placed nowhere and got a snapshot (418 of 5,000 in
 //! bench/results/failover-spread/nodes-10000, whose moved nodes were back in sync up to 9.9 s
 //! after the kill, most after 8 s). A step's record is the names of what changed, up to about
