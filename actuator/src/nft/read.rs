@@ -38,8 +38,8 @@ use crate::netlink::attr::{Attrs, NlaBuf};
 /// How often a read is retried when a commit lands while it runs, or a dump is torn.
 const ATTEMPTS: usize = 4;
 
-/// The pause before reading again after a torn dump, times the attempt: a background resize
-/// of a hash set with 100,000 elements takes milliseconds.
+/// The pause before each further attempt, times the attempt (whether a commit landed or a dump
+/// was torn): a background resize of a hash set with 100,000 elements takes milliseconds.
 const TORN_PAUSE: Duration = Duration::from_millis(20);
 
 /// Why the tables could not be read.
