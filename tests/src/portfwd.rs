@@ -91,30 +91,53 @@ impl Drop for Forwarder {
 /// [`Netns::run`]), since that is where the target is dialled.
 pub fn forward_port(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Result<Forwarder> {
     let listener = ns
-        .run(move || -> std::io::Result<std::net::TcpListener> {
-            let listener = std::net::TcpListener::bind(listen)?;
-            listener.set_nonblocking(true)?;
-            Ok(listener)
-        })?
+        .run(move || bind(listen))?
         .with_context(|| format!("listening on {listen} in {}", ns.name()))?;
     spawn(listener, target, None)
+}
+
+/// How long [`bind`] waits for an address a dropped forwarder held to come free.
+const REBIND_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Binds a non-blocking listener on `listen`, waiting (up to [`REBIND_WAIT`]) while the address
+/// is still in use.
+///
+/// A test that relinks a node drops its forwarders and binds their addresses again at once.
+/// Dropping a forwarder closes its listener, but a process that another thread of the test
+/// binary forked in the meantime holds a copy of every descriptor until it execs (close-on-exec
+/// only closes them then), and the copy keeps the address listening for that moment: CI once
+/// failed on exactly that `EADDRINUSE`. Any other holder is still an error after the wait.
+fn bind(listen: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let deadline = std::time::Instant::now() + REBIND_WAIT;
+    loop {
+        match std::net::TcpListener::bind(listen) {
+            Ok(listener) => {
+                listener.set_nonblocking(true)?;
+                return Ok(listener);
+            }
+            Err(err)
+                if err.kind() == std::io::ErrorKind::AddrInUse
+                    && listen.port() != 0
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(err) => return Err(err),
+        }
+    }
 }
 
 /// Listens on `listen` in the calling thread's namespace (host loopback) and forwards each
 /// connection to `target` dialled from inside `ns`.
 pub fn forward_into(ns: &Netns, listen: SocketAddr, target: SocketAddr) -> Result<Forwarder> {
-    let listener =
-        std::net::TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
-    listener.set_nonblocking(true)?;
+    let listener = bind(listen).with_context(|| format!("listening on {listen}"))?;
     spawn(listener, target, Some(ns.path().to_path_buf()))
 }
 
 /// Listens on `listen` in the calling thread's namespace (normally host loopback) and forwards
 /// each connection to `target`: a path a test can [`Forwarder::cut`].
 pub fn forward_local(listen: SocketAddr, target: SocketAddr) -> Result<Forwarder> {
-    let listener =
-        std::net::TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
-    listener.set_nonblocking(true)?;
+    let listener = bind(listen).with_context(|| format!("listening on {listen}"))?;
     spawn(listener, target, None)
 }
 
@@ -200,5 +223,36 @@ async fn accept_loop(
             let _held = (inbound, outbound);
             std::future::pending::<()>().await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    /// Another process holding a copy of a dropped listener (here as its stdin, as a child
+    /// forked by another thread holds every descriptor until it execs) keeps the address in
+    /// use for a moment; binding it again waits that moment out instead of failing.
+    #[test]
+    fn an_address_held_for_a_moment_by_another_process_is_bound_again() {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = first.local_addr().unwrap();
+        let copy = std::os::fd::OwnedFd::from(first.try_clone().unwrap());
+        let mut holder = Command::new("sleep")
+            .arg("0.5")
+            .stdin(Stdio::from(copy))
+            .spawn()
+            .unwrap();
+        drop(first);
+        assert_eq!(
+            std::net::TcpListener::bind(addr).unwrap_err().kind(),
+            std::io::ErrorKind::AddrInUse,
+            "the other process's copy keeps the address listening"
+        );
+        let again = bind(addr).expect("bound once the other process let go");
+        assert_eq!(again.local_addr().unwrap(), addr);
+        holder.wait().unwrap();
     }
 }
