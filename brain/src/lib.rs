@@ -25,6 +25,7 @@ pub mod rules;
 pub mod run;
 pub mod server;
 pub mod service_view;
+pub mod session;
 pub mod session_tickets;
 pub mod sync_route;
 pub mod tls;

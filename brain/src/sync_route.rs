@@ -19,11 +19,11 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
+use futures::Stream;
 use http_body::Frame;
 use prost::Message;
 use splitproxy_proto::frames::UpdateFrame;
 use splitproxy_proto::v1::SyncRequest;
-use tokio::sync::mpsc;
 use tonic::body::Body;
 use tonic::codec::{BufferSettings, Streaming};
 use tonic::server::NamedService;
@@ -31,6 +31,7 @@ use tonic::{Request, Status};
 use tonic_prost::ProstDecoder;
 
 use crate::server::DataplaneService;
+use crate::session::Session;
 
 /// The path of the `Sync` method.
 pub const SYNC_PATH: &str = "/splitproxy.v1.Dataplane/Sync";
@@ -137,20 +138,18 @@ async fn sync(
 }
 
 /// A node's `Sync` response: each update's frames as gRPC messages, then the status the
-/// session ended with as trailers.
-pub struct FrameBody {
-    updates: mpsc::Receiver<Result<Vec<UpdateFrame>, Status>>,
+/// session ended with as trailers. Polling it for the next update runs the session
+/// ([`crate::session`]): HTTP/2's task for the stream is the session's task.
+pub struct FrameBody<S = Session> {
+    updates: S,
     max_message: usize,
     /// Chunks of the current update not yet handed to HTTP/2.
     chunks: VecDeque<Bytes>,
     ended: bool,
 }
 
-impl FrameBody {
-    pub fn new(
-        updates: mpsc::Receiver<Result<Vec<UpdateFrame>, Status>>,
-        max_message: usize,
-    ) -> Self {
+impl<S> FrameBody<S> {
+    pub fn new(updates: S, max_message: usize) -> Self {
         FrameBody {
             updates,
             max_message,
@@ -168,7 +167,10 @@ impl FrameBody {
     }
 }
 
-impl http_body::Body for FrameBody {
+impl<S> http_body::Body for FrameBody<S>
+where
+    S: Stream<Item = Result<Vec<UpdateFrame>, Status>> + Unpin,
+{
     type Data = Bytes;
     type Error = Status;
 
@@ -184,7 +186,7 @@ impl http_body::Body for FrameBody {
             if this.ended {
                 return Poll::Ready(None);
             }
-            match this.updates.poll_recv(cx) {
+            match Pin::new(&mut this.updates).poll_next(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frames))) => {
                     if let Err(status) = encode(&frames, this.max_message, &mut this.chunks) {
@@ -385,13 +387,13 @@ mod tests {
     #[tokio::test]
     async fn the_body_ends_with_the_sessions_status() {
         use http_body_util::BodyExt;
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
         tx.send(Ok(vec![frame(1, 10, 0)])).await.unwrap();
         tx.send(Err(Status::unavailable("brain shutting down")))
             .await
             .unwrap();
         drop(tx);
-        let mut body = FrameBody::new(rx, usize::MAX);
+        let mut body = FrameBody::new(tokio_stream::wrappers::ReceiverStream::new(rx), usize::MAX);
         let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(data.to_vec(), tonic_bytes(&[frame(1, 10, 0)]));
         let trailers = body

@@ -1,5 +1,5 @@
 //! The fan-out state machine without streams: publications in, a node's next update out, its
-//! answers recorded, as `server::session` drives it.
+//! answers recorded, as `session::session` drives it.
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
