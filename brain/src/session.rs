@@ -102,9 +102,10 @@ impl Stream for Session {
         if let Some(frames) = this.outbox.take() {
             return Poll::Ready(Some(Ok(frames)));
         }
-        match (&this.run, this.end.take()) {
-            (Some(_), _) => Poll::Pending,
-            (None, end) => Poll::Ready(end.map(Err)),
+        if this.run.is_some() {
+            Poll::Pending
+        } else {
+            Poll::Ready(this.end.take().map(Err))
         }
     }
 }
@@ -172,9 +173,10 @@ async fn run(
         () = until_stale(&fanout) => Err(crate::server::stale_status(&bounds.freshness)),
         () = fanout.stopping() => Err(Status::unavailable("brain shutting down")),
     };
+    // The stream ends with this status, so the node learns why if it still listens
+    // (UNAVAILABLE when this brain went stale: the node moves to another replica, never
+    // silently stale).
     if let Err(e) = &ended {
-        // The node is told why, if it still listens (UNAVAILABLE when this brain went stale:
-        // the node moves to another replica, never silently stale).
         tracing::info!(%node, session = session_id, error = %e, "node stream ended");
     }
     ended
