@@ -9,7 +9,11 @@
 #   sudo tools/bench.sh [--services 10000] [--endpoints 10] [--nodes 5000] [--real 3]
 #                       [--virtual N] [--brains 1] [--single-changes 20] [--churn-seconds 60]
 #                       [--churn-percent 1.0] [--failover-seconds 10] [--skip-kube-proxy]
-#                       [--out bench/results] [--report bench/RESULTS.md] ...
+#                       [--out bench/results] [--report bench/RESULTS.md]
+#                       [--brain-arg=--min-publish-interval-ms=50] ...
+#
+#   --brain-arg passes a flag to every brain replica (it replaces the benchmark's own setting of
+#   that flag): runs that differ in one brain setting, compared in the same session.
 #
 #   With --brains 2 or more, nodes spread over the replicas and a failover phase kills one of
 #   them during churn; a restart phase stops every replica and starts it again (--skip-restart).

@@ -114,6 +114,11 @@ pub struct BenchArgs {
     /// Concurrent API writes while creating the workload.
     #[arg(long, default_value_t = 48)]
     pub write_concurrency: usize,
+    /// A flag for every brain replica, passed as it is after the benchmark's own (repeat it for
+    /// more): runs that differ in one brain setting, e.g.
+    /// `--brain-arg=--min-publish-interval-ms=50`. The report's command line shows them.
+    #[arg(long = "brain-arg", allow_hyphen_values = true)]
+    pub brain_args: Vec<String>,
     /// Directory for the JSON result, the plots and the component logs.
     #[arg(long, default_value = "bench/results")]
     pub out: PathBuf,

@@ -45,6 +45,8 @@ pub struct Rig {
     pub exe: PathBuf,
     pub dir: PathBuf,
     pub real: usize,
+    /// Flags every replica gets after the benchmark's own (`--brain-arg`).
+    pub brain_args: Vec<String>,
     /// The serving certificate every replica serves (written by [`Rig::start_brains`]).
     brain_tls: Option<TlsFiles>,
     /// One operator connection per replica, reused by every poll (a TLS handshake per poll
@@ -155,6 +157,7 @@ impl Rig {
             exe,
             dir: dir.to_path_buf(),
             real,
+            brain_args: Vec::new(),
             brain_tls: None,
             operators: Vec::new(),
         })
@@ -221,6 +224,7 @@ impl Rig {
             .parse()
             .context("the benchmark's service CIDR")?]);
         opts.serving = self.brain_tls.clone();
+        opts.extra_args = self.brain_args.clone();
         Brain::start(
             &self.exe,
             self.cp.kubeconfig_path(),

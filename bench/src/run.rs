@@ -97,7 +97,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
         args.real + 1
     );
     let exe = std::env::current_exe().context("locating this binary")?;
-    let rig = Rig::start(exe, &logs, args.real).await?;
+    let mut rig = Rig::start(exe, &logs, args.real).await?;
+    rig.brain_args = args.brain_args.clone();
     let mut watched = Watched::default();
     watched.add("kube-apiserver", rig.cp.apiserver_pid());
     watched.add("etcd", rig.cp.etcd_pid());

@@ -60,7 +60,9 @@ pub struct BrainOptions {
     /// may hold as many connections as the total bound, because in the harness every node
     /// (real ones through their forwarders, virtual ones directly) connects from 127.0.0.1.
     pub surface: Surface,
-    /// Flags a person wrote (lab.yaml's `brainArgs`), passed verbatim after the typed ones.
+    /// Flags a person wrote (lab.yaml's `brainArgs`, the bench's `--brain-arg`), passed
+    /// verbatim after the typed ones; a flag written here replaces the typed one of the same
+    /// name (the brain refuses a flag given twice).
     pub extra_args: Vec<String>,
     /// The brain manages its own CA and serving certificate in this Secret (`--tls-secret`)
     /// instead of serving the certificate [`Brain::start`] writes; clients still present
@@ -103,9 +105,45 @@ impl BrainOptions {
         let mut args = self.rules.to_args();
         args.extend(self.tuning.to_args());
         args.extend(self.surface.to_args());
-        args.extend(self.extra_args.iter().cloned());
-        args
+        with_written(args, &self.extra_args)
     }
+}
+
+/// `typed` flags without those `written` names too, then `written`: a flag a person wrote
+/// replaces the one the options render. A typed flag's value is the word after it unless it
+/// is another flag, or after its `=`.
+fn with_written<T: AsRef<std::ffi::OsStr> + From<String>>(
+    typed: Vec<T>,
+    written: &[String],
+) -> Vec<T> {
+    let name = |w: &str| {
+        w.strip_prefix("--")
+            .map(|f| f.split('=').next().unwrap_or(f).to_string())
+    };
+    let text = |w: &T| w.as_ref().to_str().map(str::to_string);
+    let replaced: std::collections::HashSet<String> =
+        written.iter().filter_map(|w| name(w)).collect();
+    let mut out = Vec::with_capacity(typed.len() + written.len());
+    let mut words = typed.into_iter().peekable();
+    while let Some(word) = words.next() {
+        let flag = text(&word);
+        match flag.as_deref().and_then(name) {
+            Some(f) if replaced.contains(&f) => {
+                let has_value = flag.is_some_and(|w| w.contains('='));
+                if !has_value
+                    && words
+                        .peek()
+                        .and_then(text)
+                        .is_some_and(|v| !v.starts_with("--"))
+                {
+                    words.next();
+                }
+            }
+            _ => out.push(word),
+        }
+    }
+    out.extend(written.iter().cloned().map(T::from));
+    out
 }
 
 impl Brain {
@@ -174,8 +212,7 @@ impl Brain {
             None => Command::new(exe),
         };
         cmd.arg("brain")
-            .args(config.to_args())
-            .args(&opts.extra_args)
+            .args(with_written(config.to_args(), &opts.extra_args))
             // Who the brain is to the Lease of a managed certificate: its name in the test.
             .env("POD_NAME", name)
             .env(
@@ -454,6 +491,31 @@ mod tests {
                 .unwrap();
         assert_eq!(format!("{:?}", config.rules), format!("{:?}", opts.rules));
         assert_eq!(config.tuning, opts.tuning);
+    }
+
+    #[test]
+    fn a_written_flag_replaces_the_typed_one() {
+        let typed = ["--a", "1", "--b=2", "--flag", "--c", "3"]
+            .map(String::from)
+            .to_vec();
+        let written = ["--a=9", "--b", "8", "--flag"].map(String::from);
+        assert_eq!(
+            with_written(typed, &written),
+            ["--c", "3", "--a=9", "--b", "8", "--flag"]
+        );
+        let opts = BrainOptions {
+            extra_args: vec!["--min-publish-interval-ms=75".into()],
+            ..Default::default()
+        };
+        let args = opts.args();
+        assert_eq!(
+            args.iter()
+                .filter(|a| a.starts_with("--min-publish-interval-ms"))
+                .count(),
+            1,
+            "{args:?}"
+        );
+        assert!(args.contains(&"--min-publish-interval-ms=75".to_string()));
     }
 
     #[test]
