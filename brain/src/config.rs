@@ -21,11 +21,8 @@ use crate::rules::{DetectLocalMode, NodePortAddresses, RulesConfig};
 pub const DEFAULT_MAX_CONCURRENT_SNAPSHOTS: usize = 32;
 /// `--update-part-elements`' default.
 pub const DEFAULT_UPDATE_PART_ELEMENTS: usize = 1024;
-/// `--min-publish-interval-ms`' default. 200 until 12/2026: under 1 %/s churn at 5,000 nodes,
-/// 50 took the brain's own wait from about 140 to 48 ms a change, sent 13 % fewer updates (a
-/// node busy with the last update skips the publications made meanwhile and gets the newest)
-/// and cut churn p99 by about 15 % (README, "Publication pacing").
-pub const DEFAULT_MIN_PUBLISH_INTERVAL_MS: u64 = 50;
+/// `--min-publish-interval-ms`' default.
+pub const DEFAULT_MIN_PUBLISH_INTERVAL_MS: u64 = 200;
 /// `--tls-handshake-timeout-ms`' default.
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// `--max-connections`' default: every node of a 5,000-node cluster on one replica, operators,

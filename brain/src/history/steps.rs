@@ -6,8 +6,8 @@
 //! its value in the latest one. Keeping whole publications costs what their changes copied of
 //! the persistent maps (about 100 KiB per one-Service change at 10,000 Services and 5,000 nodes,
 //! `history_memory` example), so the history keeps only [`super::HISTORY_VERSIONS`] of them:
-//! 1.6 s at the brain's fastest publication pace (one per 50 ms by default), which churn spread
-//! over each second reaches. A failover at 10,000 nodes takes longer than that to reach its last nodes,
+//! 6.4 s at the brain's fastest publication pace (one per 200 ms), which churn spread over each
+//! second reaches. A failover at 10,000 nodes takes longer than that to reach its last nodes,
 //! and those were placed nowhere and got a snapshot (418 of 5,000 in
 //! bench/results/failover-spread/nodes-10000, whose moved nodes were back in sync up to 9.9 s
 //! after the kill, most after 8 s). A step's record is the names of what changed, up to about
@@ -29,7 +29,7 @@ use crate::restate::{CompactTouched, Touched};
 /// How long a step is kept: longer than the slowest failover measured (13 s for 5,000 nodes
 /// moving at 10,000 nodes, bench/SCALING.md), with room.
 pub const STEP_LOG_AGE: Duration = Duration::from_secs(30);
-/// At most this many steps (30 s at the default 50 ms between publications is 600).
+/// At most this many steps (30 s at the default 200 ms between publications is 150).
 pub const STEP_LOG_VERSIONS: usize = 1024;
 /// At most this many objects named over all steps. Each costs about 120 bytes of heap, kept
 /// flat ([`CompactTouched`]; `history_memory` example: 24,988 objects after 807 one-Service
