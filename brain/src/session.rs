@@ -489,6 +489,14 @@ mod tests {
         }
     }
 
+    /// A synced fan-out with one publication and `permits` snapshots at a time.
+    fn serving(permits: usize) -> Arc<Fanout> {
+        let fanout = Fanout::new(Arc::new(Metrics::default()), permits, 1024);
+        fanout.set_synced(true);
+        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        fanout
+    }
+
     fn start(fanout: &Arc<Fanout>, node: &str) -> (Node, super::Session) {
         let (peer, inbound) = Node::new();
         let hello = splitproxy_proto::v1::Hello {
@@ -520,9 +528,7 @@ mod tests {
     #[tokio::test]
     async fn polling_the_stream_runs_the_session_and_dropping_it_disconnects_the_node() {
         use futures::StreamExt;
-        let fanout = Fanout::new(Arc::new(Metrics::default()), 1, 1024);
-        fanout.set_synced(true);
-        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        let fanout = serving(1);
         let (node, mut session) = start(&fanout, "n1");
         let first = next(&mut session).await;
         assert_eq!(first[0].base_generation, 0, "a snapshot first");
@@ -552,9 +558,7 @@ mod tests {
     async fn a_replaced_session_ends_its_stream_with_the_reason() {
         use futures::StreamExt;
         // Two snapshot permits: the old stream holds one until its node acks.
-        let fanout = Fanout::new(Arc::new(Metrics::default()), 2, 1024);
-        fanout.set_synced(true);
-        fanout.publish(shared(1), Default::default(), vec![], vec![]);
+        let fanout = serving(2);
         let (_old_node, mut old) = start(&fanout, "n1");
         next(&mut old).await;
         let (_node, mut new) = start(&fanout, "n1");
