@@ -73,10 +73,7 @@ async fn virtual_nodes_converge_and_share_encoded_updates() {
     // Each on a connection for its Sync stream alone, as the actuators (3 in the lab).
     let metrics = lab.brain(0).http_get("/metrics").unwrap().1;
     let sync_conns = metric(&metrics, "splitproxy_brain_sync_connections").unwrap();
-    assert!(
-        sync_conns >= 40.0,
-        "{sync_conns} connections for Sync alone"
-    );
+    assert!(sync_conns >= 40.0, "{sync_conns} connections for Sync alone");
 
     let before_change = fleet.status().digests.into_keys().next().unwrap();
     // A change reaches every virtual node as a delta carrying its trigger time.

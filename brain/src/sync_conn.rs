@@ -19,12 +19,11 @@
 //! allows one stream at a time (SETTINGS_MAX_CONCURRENT_STREAMS 1): a node opens one.
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::task::AtomicWaker;
 use h2::server::{Connection, SendResponse};
 use h2::{Ping, PingPong, RecvStream, SendStream};
 use http_body::{Body, Frame, SizeHint};
@@ -43,14 +42,7 @@ use crate::sync_route::{FrameBody, SYNC_PATH, inbound, refuse_encoding};
 const STREAM_WINDOW: u32 = 1024 * 1024;
 const CONNECTION_WINDOW: u32 = 1024 * 1024;
 const MAX_HEADER_LIST: u32 = 16 * 1024;
-/// Bytes of a stream HTTP/2 holds unwritten before the response body is polled again (hyper's
-/// 400 KiB, here less). One task fills and writes, so with 400 KiB it queued a whole snapshot
-/// (about 280 KB at 10,000 Services) before writing any of it, and at 5,000 nodes connecting at
-/// once the brain's RSS after the cold start stayed 17 MiB higher (472 against 455 MiB, three
-/// runs each); with 64 KiB it was 452.5 MiB and the cold start no slower.
-const MAX_SEND_BUFFER: usize = 64 * 1024;
-/// Polls of the call in one poll of the connection, at most.
-const MAX_TURNS: usize = 4;
+const MAX_SEND_BUFFER: usize = 400 * 1024;
 
 /// What serves `Sync` connections, shared by all of them.
 pub struct SyncServer {
@@ -128,19 +120,15 @@ impl SyncServer {
         let received = Arc::new(AtomicU64::new(0));
         let mut state = State {
             call: None,
-            call_wakeup: Wakeup::new(),
             keepalive: Keepalive::new(h2.ping_pong(), received.clone()),
-            keepalive_wakeup: Wakeup::new(),
             received,
             shutting_down: false,
         };
         std::future::poll_fn(|cx| self.poll_conn(cx, &mut h2, &peer, &mut state)).await
     }
 
-    /// Drives the connection: the connection itself (reading what came, writing what the call
-    /// queued), then the call and the keepalive, each only when something it waits for woke it.
-    /// The task is woken for all three; polling the session on every wake of the connection (a
-    /// write done, a window update) cost as much as the hops this module saves.
+    /// Drives the connection: its call first (what it queues is written by the connection's
+    /// poll right after), then the connection, then its keepalive.
     fn poll_conn(
         &self,
         cx: &mut Context<'_>,
@@ -148,10 +136,16 @@ impl SyncServer {
         peer: &PeerInfo,
         state: &mut State,
     ) -> Poll<anyhow::Result<()>> {
-        state.call_wakeup.register(cx);
-        state.keepalive_wakeup.register(cx);
-        let mut turns = 0;
         loop {
+            if let Some(call) = &mut state.call
+                && self.poll_call(cx, call).is_ready()
+            {
+                state.call = None;
+                if self.service.fanout.stopped() && !state.shutting_down {
+                    state.shutting_down = true;
+                    h2.graceful_shutdown();
+                }
+            }
             match h2.poll_accept(cx) {
                 Poll::Ready(Some(Ok((request, mut respond)))) => {
                     if state.call.is_some() {
@@ -160,7 +154,6 @@ impl SyncServer {
                         respond.send_reset(h2::Reason::REFUSED_STREAM);
                     } else {
                         state.call = self.open(request, respond, peer, &state.received);
-                        state.call_wakeup.set();
                     }
                     continue;
                 }
@@ -168,33 +161,8 @@ impl SyncServer {
                 Poll::Ready(None) => return Poll::Ready(Ok(())),
                 Poll::Pending => {}
             }
-            if let Some(call) = &mut state.call
-                && state.call_wakeup.take()
-            {
-                if turns == MAX_TURNS {
-                    // Woken on every turn (a budget of the runtime's ran out, which wakes at
-                    // once): let other tasks run, and come back.
-                    state.call_wakeup.set();
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                turns += 1;
-                let mut call_cx = Context::from_waker(&state.call_wakeup.waker);
-                if self.poll_call(&mut call_cx, call).is_ready() {
-                    state.call = None;
-                    if self.service.fanout.stopped() && !state.shutting_down {
-                        state.shutting_down = true;
-                        h2.graceful_shutdown();
-                    }
-                }
-                // What it queued is written by the connection's next poll, in this one.
-                continue;
-            }
-            if state.keepalive_wakeup.take() {
-                let mut keepalive_cx = Context::from_waker(&state.keepalive_wakeup.waker);
-                if let Poll::Ready(Err(e)) = state.keepalive.poll(&mut keepalive_cx) {
-                    return Poll::Ready(Err(e));
-                }
+            if let Poll::Ready(Err(e)) = state.keepalive.poll(cx) {
+                return Poll::Ready(Err(e));
             }
             return Poll::Pending;
         }
@@ -301,67 +269,11 @@ impl SyncServer {
 /// The connection's state between polls.
 struct State {
     call: Option<Call>,
-    /// Set when something the call waits for (the node's data, a window update, the session's
-    /// timers and channels) woke the task.
-    call_wakeup: Wakeup,
     keepalive: Keepalive,
-    keepalive_wakeup: Wakeup,
     /// Chunks received on the connection's call, for the keepalive: a connection that reads
     /// acks needs no PING to tell it is alive.
     received: Arc<AtomicU64>,
     shutting_down: bool,
-}
-
-/// A waker that notes it was used before waking the connection's task: what a part of the
-/// connection (its call, its keepalive) registers, so that the part is polled only when
-/// something it waits for happened.
-struct Wakeup {
-    waker: Waker,
-    inner: Arc<WakeupInner>,
-}
-
-struct WakeupInner {
-    woken: AtomicBool,
-    task: AtomicWaker,
-}
-
-impl Wake for WakeupInner {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::Release);
-        self.task.wake();
-    }
-}
-
-impl Wakeup {
-    /// Woken from the start: a part is polled once before it waits for anything.
-    fn new() -> Self {
-        let inner = Arc::new(WakeupInner {
-            woken: AtomicBool::new(true),
-            task: AtomicWaker::new(),
-        });
-        Wakeup {
-            waker: Waker::from(inner.clone()),
-            inner,
-        }
-    }
-
-    /// The connection's task, to be woken.
-    fn register(&self, cx: &Context<'_>) {
-        self.inner.task.register(cx.waker());
-    }
-
-    fn set(&self) {
-        self.inner.woken.store(true, Ordering::Release);
-    }
-
-    /// Whether the part was woken since the last call.
-    fn take(&self) -> bool {
-        self.inner.woken.swap(false, Ordering::AcqRel)
-    }
 }
 
 /// The connection's one call.
