@@ -10,13 +10,10 @@
 #                       [--virtual N] [--brains 1] [--single-changes 20] [--churn-seconds 60]
 #                       [--churn-percent 1.0] [--failover-seconds 10] [--skip-kube-proxy]
 #                       [--out bench/results] [--report bench/RESULTS.md]
-#                       [--brain-arg=--min-publish-interval-ms=50] [--fleet-general-connections]
+#                       [--brain-arg=--min-publish-interval-ms=50] ...
 #
 #   --brain-arg passes a flag to every brain replica (it replaces the benchmark's own setting of
 #   that flag): runs that differ in one brain setting, compared in the same session.
-#   --fleet-general-connections has the virtual nodes ask for the brain's general gRPC server
-#   (ALPN h2) instead of a connection for Sync alone, as actuators did before: the two compared
-#   with one binary.
 #
 #   With --brains 2 or more, nodes spread over the replicas and a failover phase kills one of
 #   them during churn; a restart phase stops every replica and starts it again (--skip-restart).

@@ -157,17 +157,8 @@ fn log_order(node: &str, order: &[Uri]) {
     tracing::info!(node, order = ?order.iter().map(ToString::to_string).collect::<Vec<_>>(), "brain order");
 }
 
-/// What a channel to a brain is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Purpose {
-    /// The node's Sync stream, alone on its connection.
-    Sync,
-    /// Any other call (the health check of a preferred brain).
-    Other,
-}
-
-/// A channel to `brain` for `purpose`, with the credentials as the files hold them now.
-async fn connect(config: &ClientConfig, brain: &Uri, purpose: Purpose) -> anyhow::Result<Channel> {
+/// A channel to `brain`, with the credentials as the files hold them now.
+async fn connect(config: &ClientConfig, brain: &Uri) -> anyhow::Result<Channel> {
     let domain = config
         .server_name
         .clone()
@@ -189,7 +180,7 @@ async fn connect(config: &ClientConfig, brain: &Uri, purpose: Purpose) -> anyhow
         .connect_timeout(transport::CONNECT_TIMEOUT)
         .http2_keep_alive_interval(transport::KEEPALIVE_INTERVAL)
         .keep_alive_timeout(transport::KEEPALIVE_TIMEOUT);
-    crate::tls_client::connect(endpoint, brain, &domain, tls, purpose == Purpose::Sync).await
+    crate::tls_client::connect(endpoint, brain, &domain, tls).await
 }
 
 /// One stream to `brain`, logged when it ends. `preferred`: the brains this node prefers to it,
@@ -240,7 +231,7 @@ async fn serving(config: &ClientConfig, brain: &Uri) -> bool {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let check = async {
-        let channel = connect(config, brain, Purpose::Other).await?;
+        let channel = connect(config, brain).await?;
         let response = HealthClient::with_interceptor(channel, config.credentials.bearer())
             .check(HealthCheckRequest::default())
             .await?;
@@ -300,7 +291,7 @@ async fn stream<K: Kernel + Send + 'static>(
     after: &AfterCommit,
     progress: &mut Progress,
 ) -> anyhow::Result<Option<usize>> {
-    let channel = connect(config, brain, Purpose::Sync).await?;
+    let channel = connect(config, brain).await?;
     let mut client = DataplaneClient::with_interceptor(channel, config.credentials.bearer())
         .max_decoding_message_size(transport::MAX_UPDATE_MESSAGE);
     let applied = applier

@@ -19,7 +19,6 @@ use anyhow::{Context, bail};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use splitproxy_proto::transport;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::credentials::{Credentials, Material};
@@ -77,31 +76,19 @@ fn build(material: &Material) -> anyhow::Result<rustls::ClientConfig> {
         }
         None => builder.with_no_client_auth(),
     };
-    // The connection carries the node's Sync stream alone: a brain that knows it serves it on a
-    // task of its own (transport::SYNC_ALPN); one that does not picks h2.
-    config.alpn_protocols = vec![transport::SYNC_ALPN.to_vec(), b"h2".to_vec()];
+    config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
 }
 
 /// A channel to `endpoint`'s brain over TLS with `config`, the brain's certificate verified for
 /// `server_name`. `endpoint` carries the channel's settings (timeouts, keepalive); its address
-/// is `brain`'s, whose scheme must be `https`. `sync_only`: the channel carries the node's Sync
-/// stream and nothing else, and says so by ALPN; otherwise it asks for plain `h2` (the same
-/// session cache either way).
+/// is `brain`'s, whose scheme must be `https`.
 pub async fn connect(
     endpoint: Endpoint,
     brain: &Uri,
     server_name: &str,
     config: Arc<rustls::ClientConfig>,
-    sync_only: bool,
 ) -> anyhow::Result<Channel> {
-    let config = if sync_only {
-        config
-    } else {
-        let mut general = (*config).clone();
-        general.alpn_protocols = vec![b"h2".to_vec()];
-        Arc::new(general)
-    };
     if brain.scheme_str() != Some("https") {
         bail!("{brain}: a brain is reached over https");
     }
@@ -118,8 +105,7 @@ pub async fn connect(
             let tls = tokio_rustls::TlsConnector::from(config)
                 .connect(name, tcp)
                 .await?;
-            let alpn = tls.get_ref().1.alpn_protocol();
-            if alpn != Some(b"h2") && alpn != Some(transport::SYNC_ALPN) {
+            if tls.get_ref().1.alpn_protocol() != Some(b"h2") {
                 return Err(std::io::Error::other("the brain did not negotiate HTTP/2"));
             }
             Ok(TokioIo::new(tls))
@@ -156,10 +142,7 @@ mod tests {
         let tls = TlsClient::default();
         let first = tls.config(&creds).unwrap();
         assert!(Arc::ptr_eq(&first, &tls.config(&creds).unwrap()));
-        assert_eq!(
-            first.alpn_protocols,
-            [transport::SYNC_ALPN.to_vec(), b"h2".to_vec()]
-        );
+        assert_eq!(first.alpn_protocols, [b"h2".to_vec()]);
         std::fs::write(&ca, ca_pem()).unwrap();
         let rotated = tls.config(&creds).unwrap();
         assert!(!Arc::ptr_eq(&first, &rotated));

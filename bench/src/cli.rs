@@ -83,11 +83,6 @@ pub struct BenchArgs {
     /// Do not measure the fan-out floor (bare loopback TCP to as many nodes, src/floor.rs).
     #[arg(long)]
     pub skip_floor: bool,
-    /// Virtual nodes ask for the brain's general gRPC server (ALPN `h2` only), as actuators
-    /// did before they asked for a connection for `Sync` alone (`splitproxy-sync/h2`): for
-    /// comparing the two in one binary. The real actuators are unchanged.
-    #[arg(long)]
-    pub fleet_general_connections: bool,
     /// Duration of the steady-churn phase, seconds.
     #[arg(long, default_value_t = 60)]
     pub churn_seconds: u64,

@@ -560,11 +560,6 @@ impl Fanout {
     }
 
     /// Whether the brain serves nodes: every list complete, and current.
-    /// Whether the brain was told to stop ([`Fanout::stop`]).
-    pub fn stopped(&self) -> bool {
-        *self.stopping_tx.borrow()
-    }
-
     pub fn serving(&self) -> bool {
         self.synced() && self.fresh()
     }

@@ -27,7 +27,6 @@ pub mod server;
 pub mod service_view;
 pub mod session;
 pub mod session_tickets;
-pub mod sync_conn;
 pub mod sync_route;
 pub mod tls;
 pub mod tokens;

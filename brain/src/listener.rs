@@ -99,8 +99,6 @@ pub struct SurfaceMetrics {
     handshake_failures: Mutex<BTreeMap<&'static str, u64>>,
     closed: Mutex<BTreeMap<&'static str, u64>>,
     pub open_connections: AtomicU64,
-    /// Of those, connections that carry one node's `Sync` stream alone (`crate::sync_conn`).
-    pub sync_connections: AtomicU64,
     pub tls_reloads: AtomicU64,
     pub tls_reload_errors: AtomicU64,
     /// Handshakes completed with the client's chain verified, and by resuming a session.
@@ -172,11 +170,6 @@ impl SurfaceMetrics {
             "splitproxy_brain_open_connections",
             "gRPC connections held, handshaking or established.",
             g(&self.open_connections) as i64,
-        );
-        out.gauge(
-            "splitproxy_brain_sync_connections",
-            "Established connections that carry one node's Sync stream alone (ALPN splitproxy-sync/h2), each served on one task.",
-            g(&self.sync_connections) as i64,
         );
         out.counters(
             "splitproxy_brain_tls_handshakes_total",
@@ -355,12 +348,6 @@ fn instant_of(at: SystemTime) -> Option<tokio::time::Instant> {
 }
 
 impl Conn {
-    /// Whether the client asked for a connection that carries its `Sync` stream only
-    /// ([`splitproxy_proto::transport::SYNC_ALPN`]), served by `crate::sync_conn`.
-    pub fn sync_only(&self) -> bool {
-        self.io.get_ref().1.alpn_protocol() == Some(splitproxy_proto::transport::SYNC_ALPN)
-    }
-
     /// Whether a deadline has passed: the connection then ends with an error, which closes it.
     fn poll_deadlines(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
         if let Some(d) = &mut self.first_request
@@ -639,101 +626,63 @@ where
         let Some(peer) = request.extensions().get::<PeerInfo>().cloned() else {
             return Box::pin(self.inner.call(request));
         };
-        let path = request.uri().path().to_string();
-        match self.gate.admit(peer, request.headers(), &path) {
-            Admission::Admitted => Box::pin(self.inner.call(request)),
-            Admission::Refused(status) => Box::pin(async move { Ok(status.into_http()) }),
-            Admission::Review(review) => {
-                // The inner service was made ready for this call: take it, leave a fresh clone.
-                let clone = self.inner.clone();
-                let mut inner = std::mem::replace(&mut self.inner, clone);
-                Box::pin(async move {
-                    match review.run(&path).await {
-                        Ok(peer) => {
-                            request.extensions_mut().insert(peer);
-                            inner.call(request).await
-                        }
-                        Err(status) => Ok(status.into_http()),
-                    }
-                })
-            }
-        }
-    }
-}
-
-/// What [`Gate::admit`] decided about a request.
-pub enum Admission {
-    /// The connection's certificate vouches for a caller with a role: the request goes on with
-    /// its connection's [`PeerInfo`].
-    Admitted,
-    Refused(tonic::Status),
-    /// A bearer token, to be reviewed before the request goes on.
-    Review(Review),
-}
-
-/// A bearer token to review: its identity replaces the connection's for the request.
-pub struct Review {
-    gate: Gate,
-    peer: PeerInfo,
-    token: String,
-    tokens: Arc<Authenticator>,
-}
-
-impl Review {
-    /// The caller the token identifies, if it has a role; `what` names the call in refusals.
-    pub async fn run(self, what: &str) -> Result<PeerInfo, tonic::Status> {
-        let metrics = &self.gate.metrics;
-        let identity = match self.tokens.identity(&self.token).await {
-            Ok(identity) => identity,
-            Err(rejected) => return Err(refuse_token(metrics, &rejected, &self.peer, what)),
-        };
-        let peer = PeerInfo {
-            identity: Arc::new(identity),
-            ..self.peer
-        };
-        if let Err(reason) = auth::roles(&peer.identity, &self.gate.groups).any() {
-            return Err(refuse(metrics, reason, &peer, what));
-        }
-        Ok(peer)
-    }
-}
-
-impl Gate {
-    /// Judges a request on a connection from `peer` for `path`, with its `headers`: marks the
-    /// connection as having started a request, then admits a caller whose certificate gives it a
-    /// role, refuses one with no credential or no role, and leaves a bearer token for review.
-    /// Every service of the server goes through it ([`GateService`]), and so does `Sync` on a
-    /// connection of its own (`crate::sync_conn`).
-    pub fn admit(
-        &self,
-        peer: PeerInfo,
-        headers: &tonic::codegen::http::HeaderMap,
-        path: &str,
-    ) -> Admission {
         peer.started.store(true, Ordering::Relaxed);
-        let metrics = &self.metrics;
+        let refused = |status: tonic::Status| -> Self::Future {
+            Box::pin(async move { Ok(status.into_http()) })
+        };
+        let metrics = &self.gate.metrics;
         if peer.identity.credential == Credential::Certificate {
-            return match auth::roles(&peer.identity, &self.groups).any() {
-                Ok(_) => Admission::Admitted,
-                Err(reason) => Admission::Refused(refuse(metrics, reason, &peer, path)),
-            };
+            if let Err(reason) = auth::roles(&peer.identity, &self.gate.groups).any() {
+                return refused(refuse(metrics, reason, &peer, request.uri().path()));
+            }
+            return Box::pin(self.inner.call(request));
         }
-        match (bearer(headers), &self.tokens) {
-            (Bearer::Token(token), Some(tokens)) => Admission::Review(Review {
-                gate: self.clone(),
-                token: token.to_string(),
-                tokens: tokens.clone(),
-                peer,
-            }),
+        let token = match (bearer(request.headers()), &self.gate.tokens) {
+            (Bearer::Token(token), Some(tokens)) => (token.to_string(), tokens.clone()),
             (Bearer::Malformed, Some(_)) => {
                 let rejected = Rejected {
                     reason: Refusal::BadToken,
                     detail: "the authorization metadata is not \"Bearer <token>\"".into(),
                 };
-                Admission::Refused(refuse_token(metrics, &rejected, &peer, path))
+                return refused(refuse_token(
+                    metrics,
+                    &rejected,
+                    &peer,
+                    request.uri().path(),
+                ));
             }
-            _ => Admission::Refused(refuse(metrics, Refusal::NoIdentity, &peer, path)),
-        }
+            _ => {
+                return refused(refuse(
+                    metrics,
+                    Refusal::NoIdentity,
+                    &peer,
+                    request.uri().path(),
+                ));
+            }
+        };
+        // The inner service was made ready for this call: take it, leave a fresh clone.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let gate = self.gate.clone();
+        Box::pin(async move {
+            let (token, tokens) = token;
+            let what = request.uri().path().to_string();
+            let identity = match tokens.identity(&token).await {
+                Ok(identity) => identity,
+                Err(rejected) => {
+                    return Ok(refuse_token(&gate.metrics, &rejected, &peer, &what).into_http());
+                }
+            };
+            let peer = PeerInfo {
+                identity: Arc::new(identity),
+                ..peer
+            };
+            if let Err(reason) = auth::roles(&peer.identity, &gate.groups).any() {
+                return Ok(refuse(&gate.metrics, reason, &peer, &what).into_http());
+            }
+            request.extensions_mut().insert(peer);
+            inner.call(request).await
+        })
     }
 }
 

@@ -16,7 +16,6 @@ use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
 use crate::pki::{self, Pki};
 use crate::server::DataplaneService;
-use crate::sync_conn::SyncServer;
 use crate::sync_route::SyncRoute;
 use crate::{http, listener, tls, tokens, watch};
 
@@ -236,38 +235,17 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
         freshness,
         queries: Some(queries),
     };
-    let gate = listener::Gate {
-        groups,
-        metrics: metrics.clone(),
-        tokens,
-    };
-    // A node's connection for its Sync stream alone is served on one task of its own.
-    let sync_conns = SyncServer::new(
-        service.clone(),
-        gate.clone(),
-        transport::MAX_REQUEST_MESSAGE,
-        transport::MAX_ENCODED_MESSAGE,
-    );
-    let incoming = {
-        let sync_conns = sync_conns.clone();
-        tokio_stream::StreamExt::filter_map(
-            listener::incoming(grpc, tls, config.surface.limits, metrics),
-            move |conn| match conn {
-                Ok(conn) if conn.sync_only() => {
-                    sync_conns.spawn(conn);
-                    None
-                }
-                other => Some(other),
-            },
-        )
-    };
     // TLS is terminated by our own listener (handshake timeout, connection bounds, reloaded
-    // files); tonic serves the other established connections.
+    // files); tonic serves the established connections.
     Server::builder()
         .http2_keepalive_interval(Some(transport::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(transport::KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(listener::MAX_STREAMS_PER_CONNECTION)
-        .layer(gate)
+        .layer(listener::Gate {
+            groups,
+            metrics: metrics.clone(),
+            tokens,
+        })
         .add_service(health_service)
         .add_service(reflection)
         // Sync is answered by the brain's own encoder (shared parts are not copied per node),
@@ -280,20 +258,21 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                 .max_decoding_message_size(transport::MAX_REQUEST_MESSAGE)
                 .max_encoding_message_size(transport::MAX_ENCODED_MESSAGE),
         ))
-        .serve_with_incoming_shutdown(incoming, async move {
-            shutdown().await;
-            // What the brain saw goes out before it goes (bounded), so that its nodes
-            // hold what a restarted brain or a peer computes from the same API state.
-            stopping.drain(drain_publish, SHUTDOWN_ACK_WAIT).await;
-            // Node streams and operator watches never end by themselves: without this
-            // the graceful shutdown waited for them until the kubelet's SIGKILL, while
-            // nodes kept streaming from a brain on its way out.
-            stopping.stop();
-        })
+        .serve_with_incoming_shutdown(
+            listener::incoming(grpc, tls, config.surface.limits, metrics),
+            async move {
+                shutdown().await;
+                // What the brain saw goes out before it goes (bounded), so that its nodes
+                // hold what a restarted brain or a peer computes from the same API state.
+                stopping.drain(drain_publish, SHUTDOWN_ACK_WAIT).await;
+                // Node streams and operator watches never end by themselves: without this
+                // the graceful shutdown waited for them until the kubelet's SIGKILL, while
+                // nodes kept streaming from a brain on its way out.
+                stopping.stop();
+            },
+        )
         .await
         .context("gRPC server")?;
-    // Their streams ended with the rest (Fanout::stop); their statuses go out before the brain.
-    sync_conns.drained(SHUTDOWN_ACK_WAIT).await;
     if let Some(pki) = pki {
         pki.stop().await;
     }

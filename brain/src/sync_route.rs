@@ -114,11 +114,20 @@ async fn sync(
     max_request: usize,
     max_message: usize,
 ) -> http::Response<Body> {
-    if let Some(status) = refuse_encoding(request.headers()) {
-        return status.into_http();
+    // Nodes never compress what they send (what they receive is compressed per part).
+    if let Some(encoding) = request.headers().get("grpc-encoding")
+        && encoding != "identity"
+    {
+        return Status::unimplemented(format!(
+            "messages compressed with {encoding:?} are not accepted"
+        ))
+        .into_http();
     }
     let (parts, body) = request.into_parts();
-    let request = Request::from_http(http::Request::from_parts(parts, inbound(body, max_request)));
+    let decoder =
+        ProstDecoder::<SyncRequest>::new(BufferSettings::new(INBOUND_BUFFER, INBOUND_BUFFER));
+    let inbound = Streaming::new_request(decoder, body, None, Some(max_request));
+    let request = Request::from_http(http::Request::from_parts(parts, inbound));
     match service.open_sync(request).await {
         Ok(updates) => http::Response::builder()
             .header(http::header::CONTENT_TYPE, "application/grpc")
@@ -126,29 +135,6 @@ async fn sync(
             .unwrap_or_else(|e| Status::internal(e.to_string()).into_http()),
         Err(status) => status.into_http(),
     }
-}
-
-/// Nodes never compress what they send (what they receive is compressed per part): a `Sync`
-/// call whose messages say they are compressed is refused with this.
-pub(crate) fn refuse_encoding(headers: &http::HeaderMap) -> Option<Status> {
-    let encoding = headers.get("grpc-encoding")?;
-    (encoding != "identity").then(|| {
-        Status::unimplemented(format!(
-            "messages compressed with {encoding:?} are not accepted"
-        ))
-    })
-}
-
-/// A node's messages (Hello, acks, drift reports) read from a `Sync` request's `body`, none
-/// larger than `max_request`.
-pub(crate) fn inbound<B>(body: B, max_request: usize) -> Streaming<SyncRequest>
-where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let decoder =
-        ProstDecoder::<SyncRequest>::new(BufferSettings::new(INBOUND_BUFFER, INBOUND_BUFFER));
-    Streaming::new_request(decoder, body, None, Some(max_request))
 }
 
 /// A node's `Sync` response: each update's frames as gRPC messages, then the status the

@@ -154,11 +154,7 @@ pub fn server_config(
             ServingSeed::Managed(current.clone()),
         ),
     };
-    // A node's connection for its `Sync` stream alone first, then every other gRPC client's.
-    config.alpn_protocols = vec![
-        splitproxy_proto::transport::SYNC_ALPN.to_vec(),
-        b"h2".to_vec(),
-    ];
+    config.alpn_protocols = vec![b"h2".to_vec()];
     // Tickets any replica opens (a node failing over resumes its session); one per
     // connection, as a node holds one connection at a time.
     config.ticketer = Arc::new(SharedTickets::new(seed, trust));
@@ -471,13 +467,7 @@ mod tests {
         assert!(tls.reload_if_changed());
         let second = tls.current();
         assert!(!Arc::ptr_eq(&first, &second));
-        assert_eq!(
-            second.alpn_protocols,
-            [
-                splitproxy_proto::transport::SYNC_ALPN.to_vec(),
-                b"h2".to_vec()
-            ]
-        );
+        assert_eq!(second.alpn_protocols, [b"h2".to_vec()]);
 
         std::fs::write(&paths.key, "garbage").unwrap();
         assert!(!tls.reload_if_changed(), "a broken key is not loaded");

@@ -17,9 +17,3 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// TCP and TLS connection set-up towards a brain.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// ALPN protocol of a connection that carries one node's `Sync` stream and nothing else. The
-/// bytes on it are gRPC over HTTP/2 as on any other (`h2`) connection; the name tells the brain
-/// before the first request that it may serve the connection's HTTP/2 and the node's session on
-/// one task of its own instead of its general gRPC server (brain/src/sync_conn.rs). A node
-/// offers it before `h2`, so a brain that does not know it picks `h2` and nothing changes.
-pub const SYNC_ALPN: &[u8] = b"splitproxy-sync/h2";

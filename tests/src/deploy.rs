@@ -456,33 +456,6 @@ pub async fn grpc_client(
     )
 }
 
-/// A `Dataplane` client on a connection that carries `Sync` alone, as a node's
-/// (`transport::SYNC_ALPN`, the brain's `sync_conn`): the actuator's own TLS client.
-pub async fn sync_client(
-    addr: SocketAddr,
-    tls: &TlsFiles,
-) -> Result<splitproxy_proto::v1::dataplane_client::DataplaneClient<tonic::transport::Channel>> {
-    let credentials = splitproxy_actuator::credentials::Credentials {
-        ca: tls.ca.clone(),
-        client_cert: Some(splitproxy_actuator::credentials::CertFiles {
-            cert: tls.cert.clone(),
-            key: tls.key.clone(),
-        }),
-        token_file: None,
-    };
-    let config = splitproxy_actuator::tls_client::TlsClient::default().config(&credentials)?;
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(Duration::from_secs(5));
-    let brain = format!("https://{addr}").parse()?;
-    let channel =
-        splitproxy_actuator::tls_client::connect(endpoint, &brain, "127.0.0.1", config, true)
-            .await?;
-    Ok(
-        splitproxy_proto::v1::dataplane_client::DataplaneClient::new(channel)
-            .max_decoding_message_size(splitproxy_proto::transport::MAX_UPDATE_MESSAGE),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

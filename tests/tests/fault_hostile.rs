@@ -4,9 +4,9 @@
 //! an operator certificate may not open `Sync`; a node certificate reads only its own state; a
 //! certificate in no group is refused; a 60 MB NACK is cut, and `ListNodes` keeps working; a
 //! second session for a live node ending leaves the node connected; a stream ends when its
-//! certificate expires; a silent `Sync` is dropped after the Hello timeout; a node's connection
-//! for `Sync` alone answers nothing else; a rotated client CA is picked up without a restart.
-//! Through all of it the nodes stay in sync and no connection through the ClusterIP fails.
+//! certificate expires; a silent `Sync` is dropped after the Hello timeout; a rotated client CA
+//! is picked up without a restart. Through all of it the nodes stay in sync and no connection
+//! through the ClusterIP fails.
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ use splitproxy_proto::v1::{
 };
 use splitproxy_tests::Pod;
 use splitproxy_tests::certs::{CertPair, Pki, TlsFiles};
-use splitproxy_tests::deploy::{grpc_client, labelled, metric, sync_client};
+use splitproxy_tests::deploy::{grpc_client, labelled};
 use splitproxy_tests::lab::{Lab, LabOptions};
 use splitproxy_tests::traffic::{ConnectionLoop, web_service_with_client};
 use tokio::io::AsyncReadExt;
@@ -106,8 +106,7 @@ async fn idle_channel(addr: SocketAddr, tls: &TlsFiles) -> tonic::transport::Cha
         .expect("connects")
 }
 
-/// A node's stream, driven by hand, on a connection for it alone, as a real node's
-/// (`transport::SYNC_ALPN`: the brain serves it apart from its other calls).
+/// A node's stream, driven by hand.
 struct FakeNode {
     tx: mpsc::Sender<SyncRequest>,
     updates: tonic::Streaming<Update>,
@@ -115,7 +114,7 @@ struct FakeNode {
 
 impl FakeNode {
     async fn open(addr: SocketAddr, tls: &TlsFiles, node: &str) -> Result<FakeNode, tonic::Status> {
-        let mut client = sync_client(addr, tls)
+        let mut client = grpc_client(addr, tls)
             .await
             .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
         let (tx, rx) = mpsc::channel(4);
@@ -449,18 +448,7 @@ async fn hostile_clients_are_refused_while_nodes_stay_in_sync() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // 7. A connection for Sync alone carries nothing else, and the real nodes' connections
-    // are of that kind (the silent Sync above came on a general connection: both are served).
-    let mut sync_only = sync_client(brain, &node0).await.unwrap();
-    let status = denied(sync_only.list_nodes(ListNodesRequest {}).await);
-    assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
-    assert!(status.message().contains("Sync only"), "{status:?}");
-    let metrics = lab.brain(0).http_get("/metrics").unwrap().1;
-    let sync_conns = metric(&metrics, "splitproxy_brain_sync_connections").unwrap();
-    println!("connections for Sync alone: {sync_conns}");
-    assert!(sync_conns >= 2.0, "the real nodes' streams: {sync_conns}");
-
-    // 8. A rotated client CA is used without a restart: a certificate from a new CA is refused
+    // 7. A rotated client CA is used without a restart: a certificate from a new CA is refused
     // until the brain's CA file also holds the new CA.
     let next = Pki::new("next-ca").unwrap();
     let next_op = issue(

@@ -279,11 +279,11 @@ async fn without_a_token_nothing_is_sent_and_an_unreadable_one_is_named() {
         },
         tls: Default::default(),
     };
-    let e = connect(&config, &brain, Purpose::Sync).await.unwrap_err();
+    let e = connect(&config, &brain).await.unwrap_err();
     assert!(format!("{e:#}").contains("missing-token"), "{e:#}");
 
     config.credentials.token_file = None;
-    let channel = connect(&config, &brain, Purpose::Sync).await.unwrap();
+    let channel = connect(&config, &brain).await.unwrap();
     let (_tx, rx) = mpsc::channel::<SyncRequest>(1);
     let _stream = DataplaneClient::with_interceptor(channel, config.credentials.bearer())
         .sync(ReceiverStream::new(rx))

@@ -41,13 +41,11 @@ pub(super) fn roots(ca_pem: &[u8]) -> anyhow::Result<Arc<rustls::RootCertStore>>
     Ok(Arc::new(roots))
 }
 
-/// A node's TLS client: the fleet's roots, the node's certificate, and by ALPN HTTP/2 for Sync
-/// alone (`sync_only`, as the actuator asks) or HTTP/2 for the brain's general server.
+/// A node's TLS client: the fleet's roots, the node's certificate, HTTP/2 by ALPN.
 pub(super) fn tls_config(
     roots: Arc<rustls::RootCertStore>,
     cert_pem: &[u8],
     key_pem: &[u8],
-    sync_only: bool,
 ) -> anyhow::Result<Arc<rustls::ClientConfig>> {
     let chain = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<Vec<_>, _>>()
@@ -58,15 +56,7 @@ pub(super) fn tls_config(
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_client_auth_cert(chain, key)?;
-    // As a real node's Sync connection (the actuator's tls_client).
-    cfg.alpn_protocols = if sync_only {
-        vec![
-            splitproxy_proto::transport::SYNC_ALPN.to_vec(),
-            b"h2".to_vec(),
-        ]
-    } else {
-        vec![b"h2".to_vec()]
-    };
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(cfg))
 }
 

@@ -72,7 +72,6 @@ impl Fleet {
         brains: &[std::net::SocketAddr],
         ca_pem: &str,
         nodes: Vec<FleetNode>,
-        sync_only: bool,
     ) -> anyhow::Result<Fleet> {
         let size = nodes.len();
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -88,7 +87,6 @@ impl Fleet {
                 server_name: Some("127.0.0.1".to_string()),
                 ca_pem: ca_pem.as_bytes().to_vec(),
                 nodes,
-                sync_only,
             })?
         };
         Ok(Fleet {

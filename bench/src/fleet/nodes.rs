@@ -34,9 +34,6 @@ pub struct FleetConfig {
     pub server_name: Option<String>,
     pub ca_pem: Vec<u8>,
     pub nodes: Vec<FleetNode>,
-    /// Whether nodes ask for a connection for `Sync` alone, as actuators do
-    /// (`transport::SYNC_ALPN`), or for the brain's general gRPC server (`h2`).
-    pub sync_only: bool,
 }
 
 /// The fleet at one moment.
@@ -125,7 +122,6 @@ impl VirtualFleet {
             tasks: Mutex::new(Vec::new()),
         });
         let roots = grpc::roots(&cfg.ca_pem)?;
-        let sync_only = cfg.sync_only;
         let shared = Arc::new((cfg.brains, cfg.server_name, roots));
         let mut tasks = Vec::with_capacity(cfg.nodes.len());
         for (index, node) in cfg.nodes.into_iter().enumerate() {
@@ -138,7 +134,6 @@ impl VirtualFleet {
                         &shared.0,
                         shared.1.as_deref(),
                         shared.2.clone(),
-                        sync_only,
                     )
                     .await
             }));
@@ -215,9 +210,8 @@ impl VirtualFleet {
         brains: &[String],
         server_name: Option<&str>,
         roots: Arc<rustls::RootCertStore>,
-        sync_only: bool,
     ) {
-        let tls = match grpc::tls_config(roots, &node.cert_pem, &node.key_pem, sync_only) {
+        let tls = match grpc::tls_config(roots, &node.cert_pem, &node.key_pem) {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(node = %node.name, error = %e, "virtual node has no usable identity");

@@ -39,12 +39,7 @@ pub async fn splitproxy(b: &mut Bench, fleet_nodes: Vec<FleetNode>) -> anyhow::R
     }
     if !fleet_nodes.is_empty() {
         let addrs = b.rig.brain_addrs.clone();
-        b.rig.fleet = Some(Fleet::start(
-            &addrs,
-            b.rig.pki.ca_pem(),
-            fleet_nodes,
-            !b.args.fleet_general_connections,
-        )?);
+        b.rig.fleet = Some(Fleet::start(&addrs, b.rig.pki.ca_pem(), fleet_nodes)?);
     }
 
     let mut out = ColdStart::default();
