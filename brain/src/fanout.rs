@@ -11,12 +11,12 @@
 mod restating;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::{HashMap, HashMapExt};
 use splitproxy_proto::frames::{
     UpdateFrame, encode_node_part, encode_parts, encode_snapshot_parts, encode_tail,
 };
@@ -215,6 +215,11 @@ pub struct NodeState {
     /// Drift the node reported ("kernel is the truth"): how many reports, and the latest.
     pub drifts: u64,
     pub last_drift: Option<splitproxy_proto::v1::Drift>,
+    /// Fan-out timing: the newest publication the node no longer holds up. A connected node is
+    /// counted in every publication after the one current when it connected
+    /// ([`Fanout::connect`] sets this to it), so it holds up exactly those after `settled`
+    /// ([`Fanout::settle`]).
+    settled: u64,
 }
 
 /// Session ids, unique within the process.
@@ -269,11 +274,13 @@ impl EncodedBody {
 /// Identifies an encoded tail: (the version after which changes are news, target version).
 type TailKey = (u64, u64);
 
-/// A publication whose fan-out is being timed: nodes that were connected when it was published
-/// and have not acked it (or anything newer) yet.
+/// A publication whose fan-out is being timed: how many of the nodes connected when it was
+/// published have not acked it (or anything newer) yet. Which nodes those are follows from each
+/// node's [`NodeState::settled`]: a count, not a set of names, so that a publication costs no
+/// copy of every connected node's name and an ack no lookup per publication in flight.
 struct Pending {
     published: Instant,
-    waiting: HashSet<String>,
+    waiting: usize,
 }
 
 /// Ack latencies of one publication: whole milliseconds in power-of-two buckets (bucket `i`
@@ -314,6 +321,10 @@ pub struct Fanout {
     /// server's graceful shutdown does not wait on node streams that never end by themselves.
     stopping_tx: watch::Sender<bool>,
     pending: Mutex<BTreeMap<u64, Pending>>,
+    /// The newest publication whose connected nodes were counted into `pending`: written with
+    /// `nodes` locked, so that a node connecting or leaving is either counted in a publication
+    /// and settles it, or neither.
+    counted: AtomicU64,
     /// How long each recent publication took to be acked by each node connected when it was
     /// published (`GetService`'s rollout latency), the last [`CHANGE_LOG`] publications.
     rollouts: Mutex<BTreeMap<u64, Rollout>>,
@@ -354,6 +365,7 @@ impl Fanout {
             fresh_tx: watch::channel(true).0,
             stopping_tx: watch::channel(false).0,
             pending: Mutex::new(BTreeMap::new()),
+            counted: AtomicU64::new(0),
             rollouts: Mutex::new(BTreeMap::new()),
             history: History::default(),
             nodes: Mutex::new(HashMap::new()),
@@ -430,28 +442,24 @@ impl Fanout {
                 log.pop_front();
             }
         }
-        let waiting: HashSet<String> = self
-            .nodes
-            .lock()
-            .map(|n| {
-                n.iter()
-                    .filter(|(_, s)| s.connected)
-                    .map(|(k, _)| k.clone())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if !waiting.is_empty()
-            && let Ok(mut p) = self.pending.lock()
-        {
-            p.insert(
-                version,
-                Pending {
-                    published: Instant::now(),
-                    waiting,
-                },
-            );
-            while p.len() > FANOUT_TRACKED {
-                p.pop_first();
+        if let Ok(nodes) = self.nodes.lock() {
+            // Counted and recorded with the nodes locked: a node connecting or leaving meanwhile
+            // is either in this count and settles it, or in neither (see `settle`).
+            let waiting = nodes.values().filter(|st| st.connected).count();
+            self.counted.store(version, Ordering::Relaxed);
+            if waiting > 0
+                && let Ok(mut p) = self.pending.lock()
+            {
+                p.insert(
+                    version,
+                    Pending {
+                        published: Instant::now(),
+                        waiting,
+                    },
+                );
+                while p.len() > FANOUT_TRACKED {
+                    p.pop_first();
+                }
             }
         }
         self.metrics
@@ -679,14 +687,17 @@ impl Fanout {
     /// other nodes only. It counts as in sync at that version, and as done for fan-out timing.
     fn record_current(&self, node: &str, held: Held) {
         let version = held.version;
+        let mut settled = None;
         if let Ok(mut nodes) = self.nodes.lock()
             && let Some(st) = nodes.get_mut(node)
-            && st.acked.is_some()
         {
-            st.news_after = version;
-            st.acked = Some(held);
+            if st.acked.is_some() {
+                st.news_after = version;
+                st.acked = Some(held);
+            }
+            settled = self.unsettled(st, Some(version));
         }
-        self.settle(node, Some(version));
+        self.settle(settled, true);
     }
 
     /// The encoded body for `key`, built once.
@@ -906,6 +917,7 @@ impl Fanout {
             .as_ref()
             .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32));
         let version = sent.version;
+        let mut settled = None;
         {
             let Ok(mut nodes) = self.nodes.lock() else {
                 return false;
@@ -913,6 +925,7 @@ impl Fanout {
             let st = node_state(&mut nodes, node);
             st.last_apply = apply;
             if ack.ok {
+                settled = self.unsettled(st, Some(version));
                 st.acked_generation = ack.generation;
                 st.news_after = sent.version;
                 st.hello_digest.clear();
@@ -940,32 +953,43 @@ impl Fanout {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        if ack.ok {
-            self.settle(node, Some(version));
-        }
+        self.settle(settled, true);
         ack.ok
     }
 
-    /// The node no longer holds up publications up to `version` (all of them when it
-    /// disconnected); publications every node has settled are timed.
-    fn settle(&self, node: &str, version: Option<u64>) {
+    /// The publications `st`'s node was counted in and no longer holds up once it holds
+    /// `version` (all of them when it left, `None`): after its `settled`, up to `version` and
+    /// the newest counted. A publication counted after this (with the nodes locked, as the
+    /// caller holds them) does not count a node that left, and one that stays settles it with a
+    /// later ack. `None` when there is none.
+    fn unsettled(&self, st: &mut NodeState, version: Option<u64>) -> Option<(u64, u64)> {
+        let counted = self.counted.load(Ordering::Relaxed);
+        let upto = version.map_or(counted, |v| v.min(counted));
+        (upto > st.settled).then(|| (std::mem::replace(&mut st.settled, upto), upto))
+    }
+
+    /// A node no longer holds up the publications after `range.0` up to `range.1` (from
+    /// [`Fanout::unsettled`]); publications every node has settled are timed. `acked`: it holds
+    /// them (not: it left), and its ack latency counts in their rollouts.
+    fn settle(&self, range: Option<(u64, u64)>, acked: bool) {
+        let Some((after, upto)) = range else {
+            return;
+        };
         let Ok(mut pending) = self.pending.lock() else {
             return;
         };
-        let upto = version.unwrap_or(u64::MAX);
         let now = Instant::now();
         // An ack (not a disconnect) times each publication it settles for this node: no
         // allocation on this per-node path, one clock read.
-        let mut rollouts = version.and_then(|_| self.rollouts.lock().ok());
+        let mut rollouts = acked.then(|| self.rollouts.lock().ok()).flatten();
         let mut done = Vec::new();
-        for (v, p) in pending.range_mut(..=upto) {
+        for (v, p) in pending.range_mut(after + 1..=upto) {
             let took = now.saturating_duration_since(p.published);
-            if p.waiting.remove(node)
-                && let Some(rollouts) = rollouts.as_mut()
-            {
+            p.waiting = p.waiting.saturating_sub(1);
+            if let Some(rollouts) = rollouts.as_mut() {
                 rollouts.entry(*v).or_default().record(took);
             }
-            if p.waiting.is_empty() {
+            if p.waiting == 0 {
                 done.push((*v, took));
             }
         }
@@ -991,6 +1015,11 @@ impl Fanout {
         let version = self.publication().version;
         if let Ok(mut nodes) = self.nodes.lock() {
             let st = node_state(&mut nodes, node);
+            if !st.connected {
+                // Counted from the next publication on; a session replacing a connected one
+                // still holds up what the node was counted in.
+                st.settled = self.counted.load(Ordering::Relaxed);
+            }
             if let Some(older) = st.end_session.replace(end.clone()) {
                 older.notify_one();
             }
@@ -1009,7 +1038,7 @@ impl Fanout {
     /// Session `session` of `node` ended. Only the node's current session marks it
     /// disconnected: a replaced one ending says nothing about the node.
     pub fn disconnect(&self, node: &str, session: u64) {
-        let current = match self.nodes.lock() {
+        let settled = match self.nodes.lock() {
             Ok(mut nodes) => match nodes.get_mut(node) {
                 Some(st) if st.session == session => {
                     st.connected = false;
@@ -1018,15 +1047,13 @@ impl Fanout {
                     st.disconnected_at = Some(Instant::now());
                     st.connected_at = None;
                     st.behind_since = None;
-                    true
+                    self.unsettled(st, None)
                 }
-                _ => false,
+                _ => None,
             },
-            Err(_) => false,
+            Err(_) => None,
         };
-        if current {
-            self.settle(node, None);
-        }
+        self.settle(settled, false);
     }
 
     /// Marks `node` connected through a new session, or ends its current session, for callers

@@ -336,6 +336,69 @@ fn an_ack_records_the_held_state_and_settles_fanout_timing() {
     assert!(f.pending.lock().unwrap().is_empty());
 }
 
+/// Fan-out timing counts the nodes connected when each publication was made: a node that
+/// connects later does not hold it up, a node whose stream is replaced still does until it
+/// acks, and an ack of a newer publication settles every older one the node was counted in.
+#[test]
+fn fanout_timing_counts_the_nodes_connected_at_each_publication() {
+    let f = fanout();
+    let timed = |v: u64| -> u32 {
+        f.rollout_latency(v)
+            .map_or(0, |r| r.buckets.iter().sum::<u32>())
+    };
+    let fanout_count = || {
+        f.metrics
+            .render(0)
+            .lines()
+            .find_map(|l| l.strip_prefix("splitproxy_brain_fanout_duration_seconds_count "))
+            .map(str::to_owned)
+    };
+    f.set_connected("n1", true, "peer-1");
+    publish(&f, model([1]), &overlays(&[("n1", 100), ("n2", 200)]), 1);
+    f.set_connected("n2", true, "peer-2");
+    publish(&f, model([1, 2]), &overlays(&[("n1", 100), ("n2", 200)]), 2);
+    // A newer stream replaces n1's: n1 stays counted in v1 and v2.
+    f.connect("n1", "peer-1b");
+    assert_eq!(fanout_count().as_deref(), Some("0"));
+
+    // n2 was counted in v2 only: its ack of v2 times nothing of v1.
+    let n2 = sync(&f, "n2", None);
+    assert_eq!(fanout_count().as_deref(), Some("0"), "both wait for n1");
+    assert_eq!((timed(1), timed(2)), (0, 1));
+
+    // n1 takes v2 at once: that settles v1 too.
+    sync(&f, "n1", None);
+    assert_eq!(fanout_count().as_deref(), Some("2"));
+    assert_eq!((timed(1), timed(2)), (1, 2));
+    assert!(f.pending.lock().unwrap().is_empty());
+
+    // Leaving settles what a node was counted in, without timing it as an ack; coming back, it
+    // is counted from the next publication only.
+    publish(
+        &f,
+        model([1, 2, 3]),
+        &overlays(&[("n1", 100), ("n2", 200)]),
+        3,
+    );
+    f.set_connected("n1", false, "peer-1b");
+    f.set_connected("n1", true, "peer-1c");
+    sync(&f, "n2", Some(&n2));
+    assert_eq!(
+        fanout_count().as_deref(),
+        Some("3"),
+        "n1 left v3, n2 acked it"
+    );
+    assert_eq!(timed(3), 1);
+    publish(
+        &f,
+        model([1, 2, 3, 4]),
+        &overlays(&[("n1", 100), ("n2", 200)]),
+        4,
+    );
+    let pending = |v: u64| f.pending.lock().unwrap().get(&v).map(|p| p.waiting);
+    assert_eq!(pending(4), Some(2), "both connected when v4 was published");
+}
+
 // ---- NACKs ----
 
 /// A NACK drops what the brain believed the node holds: the error is kept, it cannot resume
