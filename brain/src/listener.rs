@@ -34,7 +34,6 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::time::Sleep;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tonic::transport::server::Connected;
@@ -43,6 +42,9 @@ use crate::auth::{self, Credential, Groups, Identity, Refusal};
 use crate::metrics::Metrics;
 use crate::tls::{self, ReloadingTls};
 use crate::tokens::{Authenticator, Rejected};
+
+mod deadline;
+use deadline::Deadline;
 
 /// A connection that has not started a request this long after its handshake is closed.
 pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -327,8 +329,8 @@ pub struct Conn {
     io: TlsStream<TcpStream>,
     info: PeerInfo,
     slot: Slot,
-    first_request: Option<Pin<Box<Sleep>>>,
-    expiry: Option<(SystemTime, Pin<Box<Sleep>>)>,
+    first_request: Option<Deadline>,
+    expiry: Option<(SystemTime, Deadline)>,
 }
 
 impl Connected for Conn {
@@ -350,8 +352,11 @@ fn instant_of(at: SystemTime) -> Option<tokio::time::Instant> {
 impl Conn {
     /// Whether a deadline has passed: the connection then ends with an error, which closes it.
     fn poll_deadlines(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        if self.first_request.is_some() && self.info.started.load(Ordering::Relaxed) {
+            self.first_request = None; // a request started: this deadline is met
+        }
         if let Some(d) = &mut self.first_request
-            && d.as_mut().poll(cx).is_ready()
+            && d.poll(cx).is_ready()
         {
             self.first_request = None;
             if !self.info.started.load(Ordering::Relaxed) {
@@ -363,7 +368,7 @@ impl Conn {
             }
         }
         if let Some((at, d)) = &mut self.expiry
-            && d.as_mut().poll(cx).is_ready()
+            && d.poll(cx).is_ready()
         {
             if SystemTime::now() >= *at {
                 self.expiry = None;
@@ -375,7 +380,7 @@ impl Conn {
             }
             // The timer clamps far deadlines: wait again.
             match instant_of(*at) {
-                Some(i) => d.as_mut().reset(i),
+                Some(i) => d.reset(i),
                 None => self.expiry = None,
             }
         }
@@ -530,7 +535,7 @@ fn established(
 ) -> Conn {
     let expiry = identity.expires.and_then(|at| {
         let at = at + EXPIRY_GRACE;
-        Some((at, Box::pin(tokio::time::sleep_until(instant_of(at)?))))
+        Some((at, Deadline::new(instant_of(at)?)))
     });
     Conn {
         io,
@@ -540,7 +545,9 @@ fn established(
             started: Arc::new(AtomicBool::new(false)),
         },
         slot,
-        first_request: Some(Box::pin(tokio::time::sleep(FIRST_REQUEST_TIMEOUT))),
+        first_request: Some(Deadline::new(
+            tokio::time::Instant::now() + FIRST_REQUEST_TIMEOUT,
+        )),
         expiry,
     }
 }
