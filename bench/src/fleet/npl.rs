@@ -41,6 +41,8 @@ impl NplCollector {
     pub fn record(&mut self, s: Sample) {
         self.apply_seconds.record(s.decode_and_apply.as_secs_f64());
         let mut counted = false;
+        // Once per update, not per change it carries (tens under churn).
+        let followed = !self.subset.is_empty() && self.subset.contains(&s.node);
         for t in &s.trigger_times {
             if *t < self.since {
                 continue; // a change from before this phase
@@ -50,7 +52,7 @@ impl NplCollector {
                 Err(e) => -e.duration().as_secs_f64(),
             };
             self.npl.record(latency);
-            if self.subset.contains(&s.node) {
+            if followed {
                 self.npl_subset.record(latency);
             }
             counted = true;
