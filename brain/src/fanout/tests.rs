@@ -287,6 +287,16 @@ fn a_publication_observes_each_changes_wait_since_its_trigger_time() {
 
 // ---- acks ----
 
+/// How many publications' fan-outs have been timed (every node counted in them settled), as
+/// the metric says.
+fn fanouts_timed(f: &Fanout) -> Option<String> {
+    f.metrics
+        .render(0)
+        .lines()
+        .find_map(|l| l.strip_prefix("splitproxy_brain_fanout_duration_seconds_count "))
+        .map(str::to_owned)
+}
+
 /// An ack records the generation and what the node holds; a publication's fan-out is timed
 /// once every node connected when it was published has acked it, or left.
 #[test]
@@ -296,13 +306,7 @@ fn an_ack_records_the_held_state_and_settles_fanout_timing() {
     f.set_connected("n2", true, "peer-2");
     let o = overlays(&[("n1", 100), ("n2", 200)]);
     publish(&f, model([1]), &o, 1);
-    let fanout_count = || {
-        f.metrics
-            .render(0)
-            .lines()
-            .find_map(|l| l.strip_prefix("splitproxy_brain_fanout_duration_seconds_count "))
-            .map(str::to_owned)
-    };
+    let fanout_count = || fanouts_timed(&f);
     assert_eq!(fanout_count().as_deref(), Some("0"));
 
     let (frames, held) = send(&f, "n1", None);
@@ -346,13 +350,7 @@ fn fanout_timing_counts_the_nodes_connected_at_each_publication() {
         f.rollout_latency(v)
             .map_or(0, |r| r.buckets.iter().sum::<u32>())
     };
-    let fanout_count = || {
-        f.metrics
-            .render(0)
-            .lines()
-            .find_map(|l| l.strip_prefix("splitproxy_brain_fanout_duration_seconds_count "))
-            .map(str::to_owned)
-    };
+    let fanout_count = || fanouts_timed(&f);
     f.set_connected("n1", true, "peer-1");
     publish(&f, model([1]), &overlays(&[("n1", 100), ("n2", 200)]), 1);
     f.set_connected("n2", true, "peer-2");
