@@ -669,11 +669,10 @@ impl Fanout {
             shared,
             extra,
         };
-        let mut frames: Vec<UpdateFrame> = shared
-            .parts_for(zstd, &self.metrics)
-            .iter()
-            .map(|part| frame(part.clone(), Bytes::new()))
-            .collect();
+        let parts = shared.parts_for(zstd, &self.metrics);
+        // Sized for the last part too: no second allocation and copy per update.
+        let mut frames = Vec::with_capacity(parts.len() + 1);
+        frames.extend(parts.iter().map(|part| frame(part.clone(), Bytes::new())));
         frames.push(frame(tail, node_part));
         let bytes: usize = frames.iter().map(prost::Message::encoded_len).sum();
         let m = &self.metrics;
