@@ -35,18 +35,39 @@ fn main() -> anyhow::Result<()> {
             splitproxy_actuator::init_logging(&args.log_format);
             runtime()?.block_on(splitproxy_actuator::run::run((*args).try_into()?))
         }
-        None => runtime()?.block_on(async {
-            // On SIGINT or SIGTERM the run is dropped, which stops every component it started
-            // and removes its namespaces.
-            tokio::select! {
-                r = splitproxy_bench::run::run(cli.bench) => r.map(drop),
-                _ = splitproxy_proto::process::shutdown_signal() => {
-                    eprintln!("[bench] interrupted: stopping every component");
-                    Err(anyhow::anyhow!("interrupted by a signal"))
+        None => {
+            bench_logging();
+            runtime()?.block_on(async {
+                // On SIGINT or SIGTERM the run is dropped, which stops every component it
+                // started and removes its namespaces.
+                tokio::select! {
+                    r = splitproxy_bench::run::run(cli.bench) => r.map(drop),
+                    _ = splitproxy_proto::process::shutdown_signal() => {
+                        eprintln!("[bench] interrupted: stopping every component");
+                        Err(anyhow::anyhow!("interrupted by a signal"))
+                    }
                 }
-            }
-        }),
+            })
+        }
     }
+}
+
+/// The bench process's own log: warnings and errors (a virtual node without a usable identity,
+/// say) to stderr, `RUST_LOG` for more. Without a subscriber they went nowhere, and every span
+/// of the virtual nodes' HTTP/2 connections was still offered to the `log` crate (tracing's
+/// `log` feature, which kube-client turns on, does that while no subscriber is set): 1-2 % of
+/// the fleet's CPU in churn, on the cores the brain is measured on. kube-client's own errors are
+/// left out: it logs one for every poll of an API server still starting, and the bench reports
+/// the requests that matter with their context.
+fn bench_logging() {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kube_client=off"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
 }
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
