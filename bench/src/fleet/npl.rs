@@ -42,7 +42,7 @@ impl NplCollector {
         self.apply_seconds.record(s.decode_and_apply.as_secs_f64());
         let mut counted = false;
         // Once per update, not per change it carries (tens under churn).
-        let followed = !self.subset.is_empty() && self.subset.contains(&s.node);
+        let followed = self.subset.contains(&s.node);
         for t in &s.trigger_times {
             if *t < self.since {
                 continue; // a change from before this phase
