@@ -173,6 +173,13 @@ pub struct Args {
     /// it are folded into one update per node, like kube-proxy's minimum sync period.
     #[arg(long, default_value_t = DEFAULT_MIN_PUBLISH_INTERVAL_MS)]
     pub min_publish_interval_ms: u64,
+    /// Threads serving the nodes' connections (TLS, HTTP/2, the sessions' fan-out); 0 (the
+    /// default): one per CPU this process may use. The watches and the index have a thread of
+    /// their own besides. Set it to the CPUs the brain should take when it shares its machine:
+    /// more threads than the CPUs it gets cost it in wakeups and in the CPU they take from
+    /// what it shares them with.
+    #[arg(long, default_value_t = 0)]
+    pub worker_threads: usize,
     /// Certificate Organization (group) whose members are nodes: they may open `Sync` for the
     /// node their common name or DNS SAN names, and read only that node's state.
     #[arg(long, default_value = crate::auth::DEFAULT_NODE_GROUP)]
@@ -433,6 +440,8 @@ pub struct Tuning {
     pub api_staleness_bound: Duration,
     /// `--api-probe-interval-ms`: see [`crate::freshness`].
     pub api_probe_interval: Duration,
+    /// `--worker-threads`: threads serving the nodes' connections; 0 is one per CPU.
+    pub worker_threads: usize,
 }
 
 impl Default for Tuning {
@@ -444,6 +453,7 @@ impl Default for Tuning {
             min_publish_interval: Duration::from_millis(DEFAULT_MIN_PUBLISH_INTERVAL_MS),
             api_staleness_bound: Duration::from_millis(DEFAULT_API_STALENESS_BOUND_MS),
             api_probe_interval: Duration::from_millis(DEFAULT_API_PROBE_INTERVAL_MS),
+            worker_threads: 0,
         }
     }
 }
@@ -532,6 +542,7 @@ impl TryFrom<Args> for BrainConfig {
                 min_publish_interval: Duration::from_millis(args.min_publish_interval_ms),
                 api_staleness_bound: Duration::from_millis(args.api_staleness_bound_ms),
                 api_probe_interval: Duration::from_millis(args.api_probe_interval_ms),
+                worker_threads: args.worker_threads,
             },
             surface: Surface {
                 groups: crate::auth::Groups {
@@ -743,6 +754,8 @@ impl Tuning {
             self.api_staleness_bound.as_millis().to_string(),
             "--api-probe-interval-ms".into(),
             self.api_probe_interval.as_millis().to_string(),
+            "--worker-threads".into(),
+            self.worker_threads.to_string(),
         ]
     }
 }
@@ -821,6 +834,7 @@ mod tests {
                 min_publish_interval: Duration::from_millis(1500),
                 api_staleness_bound: Duration::from_millis(4500),
                 api_probe_interval: Duration::from_millis(700),
+                worker_threads: 3,
             },
             surface: Surface {
                 groups: crate::auth::Groups {
@@ -928,6 +942,7 @@ mod tests {
             "--max-concurrent-snapshots=3",
             "--update-part-elements=7",
             "--min-publish-interval-ms=1500",
+            "--worker-threads=3",
             "--node-group=n",
             "--operator-group=o",
             "--token-audience=aud",

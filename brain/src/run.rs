@@ -10,7 +10,7 @@ use splitproxy_proto::transport;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
-use crate::config::{BrainConfig, Serving};
+use crate::config::{BrainConfig, Serving, Tuning};
 use crate::fanout::Fanout;
 use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
@@ -18,6 +18,16 @@ use crate::pki::{self, Pki};
 use crate::server::DataplaneService;
 use crate::sync_route::SyncRoute;
 use crate::{http, listener, tls, tokens, watch};
+
+/// The runtime [`run`] serves the nodes' connections on: `--worker-threads` threads, or one per
+/// CPU this process may use (cgroup quotas included) when that is 0.
+pub fn runtime(tuning: &Tuning) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if tuning.worker_threads > 0 {
+        builder.worker_threads(tuning.worker_threads);
+    }
+    builder.enable_all().build()
+}
 
 /// Runs the brain with `config` (see [`crate::config`] for how flags become one) until SIGTERM or
 /// SIGINT.
@@ -303,4 +313,26 @@ const SHUTDOWN_ACK_WAIT: Duration = Duration::from_secs(2);
 async fn shutdown() {
     splitproxy_proto::process::shutdown_signal().await;
     tracing::info!("shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_has_the_worker_threads_asked_for() {
+        let threads = |worker_threads| {
+            let tuning = Tuning {
+                worker_threads,
+                ..Tuning::default()
+            };
+            runtime(&tuning).unwrap().metrics().num_workers()
+        };
+        assert_eq!(threads(1), 1);
+        assert_eq!(threads(3), 3);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+            assert_eq!(threads(0), cpus, "0 is one per CPU");
+        }
+    }
 }
