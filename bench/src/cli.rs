@@ -62,6 +62,12 @@ pub struct BenchArgs {
     /// i) starts on replica i % N and moves to another when its stream fails.
     #[arg(long, default_value_t = 1)]
     pub brains: usize,
+    /// Threads each brain replica serves its nodes' connections on (its `--worker-threads`;
+    /// 0, the default: one per CPU, as a brain runs unless told). With 1 on this 2-core machine
+    /// the churn phase sent a fifth fewer updates for less CPU, but with kube-proxy syncing
+    /// beside it a single change took longer (README, "Scale").
+    #[arg(long, default_value_t = 0)]
+    pub brain_worker_threads: usize,
     /// Single-endpoint changes in the endpoint_flip phase, each made alone (every node
     /// converged and kube-proxy synced before the next): their NPL, kernel apply and time to
     /// the real nodes as distributions.

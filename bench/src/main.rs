@@ -29,7 +29,8 @@ fn main() -> anyhow::Result<()> {
                     }
                 });
             }
-            runtime()?.block_on(splitproxy_brain::run::run(config))
+            splitproxy_brain::run::runtime(&config.tuning)?
+                .block_on(splitproxy_brain::run::run(config))
         }
         Some(Command::Actuator(args)) => {
             splitproxy_actuator::init_logging(&args.log_format);

@@ -549,11 +549,15 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
     let _ = writeln!(
         w,
         "Workload: {} Services x {} endpoints (plus one 100-endpoint Service for the rolling update), {} Node objects; \
-         {} brain replica(s), {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s{}.\n",
+         {} brain replica(s) ({}), {} real actuators in node namespaces, {} virtual nodes over real gRPC, kube-proxy {}; churn {} % ({} slices) per second for {} s{}.\n",
         c.services,
         c.endpoints,
         c.nodes,
         c.brains.max(1),
+        match c.brain_worker_threads {
+            0 => "worker threads: one per CPU".to_string(),
+            n => format!("{n} worker thread(s) each"),
+        },
         c.real,
         c.virtual_nodes,
         if c.kube_proxy {

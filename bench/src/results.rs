@@ -75,6 +75,9 @@ pub struct Config {
     /// Brain replicas.
     #[serde(default = "one")]
     pub brains: usize,
+    /// Each replica's `--worker-threads` (0: one per CPU). Runs before it had none: 0.
+    #[serde(default)]
+    pub brain_worker_threads: usize,
     /// Single-endpoint changes of the endpoint_flip phase.
     #[serde(default)]
     pub single_changes: usize,

@@ -47,6 +47,8 @@ pub struct Rig {
     pub real: usize,
     /// Flags every replica gets after the benchmark's own (`--brain-arg`).
     pub brain_args: Vec<String>,
+    /// Every replica's `--worker-threads` (`--brain-worker-threads`).
+    pub brain_worker_threads: usize,
     /// The serving certificate every replica serves (written by [`Rig::start_brains`]).
     brain_tls: Option<TlsFiles>,
     /// One operator connection per replica, reused by every poll (a TLS handshake per poll
@@ -158,6 +160,7 @@ impl Rig {
             dir: dir.to_path_buf(),
             real,
             brain_args: Vec::new(),
+            brain_worker_threads: 0,
             brain_tls: None,
             operators: Vec::new(),
         })
@@ -224,6 +227,7 @@ impl Rig {
             .parse()
             .context("the benchmark's service CIDR")?]);
         opts.serving = self.brain_tls.clone();
+        opts.tuning.worker_threads = self.brain_worker_threads;
         opts.extra_args = self.brain_args.clone();
         Brain::start(
             &self.exe,

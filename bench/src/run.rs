@@ -81,6 +81,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
             kube_proxy: !args.skip_kube_proxy,
             watch_storm: !args.skip_watch_storm,
             brains: args.brains,
+            brain_worker_threads: args.brain_worker_threads,
             single_changes: args.single_changes,
             churn_bursts: args.churn_bursts.max(1),
         },
@@ -99,6 +100,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchResult> {
     let exe = std::env::current_exe().context("locating this binary")?;
     let mut rig = Rig::start(exe, &logs, args.real).await?;
     rig.brain_args = args.brain_args.clone();
+    rig.brain_worker_threads = args.brain_worker_threads;
     let mut watched = Watched::default();
     watched.add("kube-apiserver", rig.cp.apiserver_pid());
     watched.add("etcd", rig.cp.etcd_pid());
