@@ -9,8 +9,12 @@
 //! it, at the other of two replicas: what a node moving to a surviving replica, or back to a
 //! restarted one, costs.
 //!
+//! The second argument picks the algorithm of every key (CA, brain, node): `p256` (the
+//! default, as the brain's own CA and the chart's pod certificates make them), `p384` or
+//! `ed25519`.
+//!
 //! ```sh
-//! cargo run --release -p splitproxy-brain --example handshake_cost -- 2000
+//! cargo run --release -p splitproxy-brain --example handshake_cost -- 2000 ed25519
 //! ```
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,15 +33,22 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(2000);
+    let alg_name = std::env::args().nth(2).unwrap_or_else(|| "p256".into());
+    let alg = match alg_name.as_str() {
+        "p256" => &rcgen::PKCS_ECDSA_P256_SHA256,
+        "p384" => &rcgen::PKCS_ECDSA_P384_SHA384,
+        "ed25519" => &rcgen::PKCS_ED25519,
+        other => anyhow::bail!("unknown key algorithm {other}: p256, p384 or ed25519"),
+    };
     let dir = tempfile::tempdir()?;
-    let ca_key = KeyPair::generate()?;
+    let ca_key = KeyPair::generate_for(alg)?;
     let mut ca = CertificateParams::new(Vec::<String>::new())?;
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, "ca");
     let ca_pem = ca.self_signed(&ca_key)?.pem();
     let issuer = Issuer::new(ca, ca_key);
     let leaf = |cn: &str, usage| -> anyhow::Result<(String, String)> {
-        let key = KeyPair::generate()?;
+        let key = KeyPair::generate_for(alg)?;
         let mut p = CertificateParams::new(vec![cn.to_string()])?;
         p.distinguished_name.push(DnType::CommonName, cn);
         p.extended_key_usages = vec![usage];
@@ -95,7 +106,9 @@ fn main() -> anyhow::Result<()> {
             HandshakeKind::Resumed,
         )?;
     }
-    println!("command: cargo run --release -p splitproxy-brain --example handshake_cost -- {n}");
+    println!(
+        "command: cargo run --release -p splitproxy-brain --example handshake_cost -- {n} {alg_name}"
+    );
     for (what, c) in [("full", &full), ("resumed at another replica", &resumed)] {
         println!(
             "{what:>28}: brain {:.1} us, node {:.1} us per handshake ({n} handshakes)",
