@@ -180,6 +180,10 @@ pub struct Args {
     /// what it shares them with.
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
+    /// Experimental: after --min-publish-interval-ms, a publication also waits (up to 1 s) until
+    /// no more than this share (0 to 1) of the nodes has yet to ack the last one. 1: no wait.
+    #[arg(long, default_value_t = 1.0)]
+    pub publish_when_unsettled: f64,
     /// Certificate Organization (group) whose members are nodes: they may open `Sync` for the
     /// node their common name or DNS SAN names, and read only that node's state.
     #[arg(long, default_value = crate::auth::DEFAULT_NODE_GROUP)]
@@ -426,7 +430,7 @@ pub fn format_duration(d: Duration) -> String {
 }
 
 /// How the brain paces and sizes its work; the defaults are the flags' defaults.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Tuning {
     /// `--streaming-lists`.
     pub streaming_lists: bool,
@@ -442,6 +446,8 @@ pub struct Tuning {
     pub api_probe_interval: Duration,
     /// `--worker-threads`: threads serving the nodes' connections; 0 is one per CPU.
     pub worker_threads: usize,
+    /// `--publish-when-unsettled`.
+    pub publish_when_unsettled: f64,
 }
 
 impl Default for Tuning {
@@ -454,6 +460,7 @@ impl Default for Tuning {
             api_staleness_bound: Duration::from_millis(DEFAULT_API_STALENESS_BOUND_MS),
             api_probe_interval: Duration::from_millis(DEFAULT_API_PROBE_INTERVAL_MS),
             worker_threads: 0,
+            publish_when_unsettled: 1.0,
         }
     }
 }
@@ -543,6 +550,7 @@ impl TryFrom<Args> for BrainConfig {
                 api_staleness_bound: Duration::from_millis(args.api_staleness_bound_ms),
                 api_probe_interval: Duration::from_millis(args.api_probe_interval_ms),
                 worker_threads: args.worker_threads,
+                publish_when_unsettled: args.publish_when_unsettled,
             },
             surface: Surface {
                 groups: crate::auth::Groups {
@@ -756,6 +764,8 @@ impl Tuning {
             self.api_probe_interval.as_millis().to_string(),
             "--worker-threads".into(),
             self.worker_threads.to_string(),
+            "--publish-when-unsettled".into(),
+            self.publish_when_unsettled.to_string(),
         ]
     }
 }
@@ -835,6 +845,7 @@ mod tests {
                 api_staleness_bound: Duration::from_millis(4500),
                 api_probe_interval: Duration::from_millis(700),
                 worker_threads: 3,
+                publish_when_unsettled: 1.0,
             },
             surface: Surface {
                 groups: crate::auth::Groups {

@@ -281,6 +281,8 @@ type TailKey = (u64, u64);
 struct Pending {
     published: Instant,
     waiting: usize,
+    /// The nodes counted at publication.
+    counted: usize,
 }
 
 /// Ack latencies of one publication: whole milliseconds in power-of-two buckets (bucket `i`
@@ -455,6 +457,7 @@ impl Fanout {
                     Pending {
                         published: Instant::now(),
                         waiting,
+                        counted: waiting,
                     },
                 );
                 while p.len() > FANOUT_TRACKED {
@@ -965,6 +968,18 @@ impl Fanout {
         let counted = self.counted.load(Ordering::Relaxed);
         let upto = version.map_or(counted, |v| v.min(counted));
         (upto > st.settled).then(|| (std::mem::replace(&mut st.settled, upto), upto))
+    }
+
+    /// The share of the nodes connected at the newest publication that have not acked it (nor
+    /// left): 0 once every one has, or when none was connected.
+    pub fn newest_unsettled_share(&self) -> f64 {
+        let newest = self.counted.load(Ordering::Relaxed);
+        let Ok(pending) = self.pending.lock() else {
+            return 0.0;
+        };
+        pending
+            .get(&newest)
+            .map_or(0.0, |p| p.waiting as f64 / p.counted.max(1) as f64)
     }
 
     /// A node no longer holds up the publications after `range.0` up to `range.1` (from

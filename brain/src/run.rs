@@ -142,6 +142,7 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                         watch::WatchOptions {
                             streaming_lists: tuning.streaming_lists,
                             min_interval: tuning.min_publish_interval,
+                            publish_when_unsettled: tuning.publish_when_unsettled,
                             probe_interval: tuning.api_probe_interval,
                             queries: Some(queries_rx),
                         },

@@ -44,11 +44,19 @@ enum Input {
     Query(ServiceQuery),
 }
 
+/// The longest a publication waits for the last one's fan-out (`WatchOptions::publish_when_unsettled`).
+const FANOUT_WAIT_MAX: Duration = Duration::from_secs(1);
+/// How often that wait looks at the fan-out.
+const FANOUT_POLL: Duration = Duration::from_millis(5);
+
 /// How the watches run.
 pub struct WatchOptions {
     pub streaming_lists: bool,
     /// At least this long between two publications.
     pub min_interval: Duration,
+    /// After `min_interval`, wait (at most [`FANOUT_WAIT_MAX`]) until no more than this share of
+    /// the nodes has yet to ack the last publication; 1.0 does not wait.
+    pub publish_when_unsettled: f64,
     /// How often the API server is probed.
     pub probe_interval: Duration,
     /// Questions about one Service (`GetService`), answered between events from the index.
@@ -123,6 +131,18 @@ pub async fn run(
             let deadline = at + options.min_interval;
             while let Ok(Some(input)) = tokio::time::timeout_at(deadline, rx.recv()).await {
                 state.handle(input);
+            }
+            // Under load, also until most nodes hold the last publication: a node still busy
+            // with it would get the next one folded into its following update anyway.
+            let bound = at + FANOUT_WAIT_MAX;
+            while options.publish_when_unsettled < 1.0
+                && fanout.newest_unsettled_share() > options.publish_when_unsettled
+                && tokio::time::Instant::now() < bound
+            {
+                let next = (tokio::time::Instant::now() + FANOUT_POLL).min(bound);
+                if let Ok(Some(input)) = tokio::time::timeout_at(next, rx.recv()).await {
+                    state.handle(input);
+                }
             }
         }
         // Fold in whatever else is already queued before recomputing.

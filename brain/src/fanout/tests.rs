@@ -397,6 +397,32 @@ fn fanout_timing_counts_the_nodes_connected_at_each_publication() {
     assert_eq!(pending(4), Some(2), "both connected when v4 was published");
 }
 
+/// The share of the nodes yet to hold the newest publication, which publication pacing may
+/// wait on (`--publish-when-unsettled`): each ack or departure lowers it, a publication starts
+/// it over.
+#[test]
+fn the_newest_publications_unsettled_share_falls_with_each_ack() {
+    let f = fanout();
+    assert_eq!(f.newest_unsettled_share(), 0.0, "nothing published");
+    f.set_connected("n1", true, "peer-1");
+    f.set_connected("n2", true, "peer-2");
+    let both = overlays(&[("n1", 100), ("n2", 200)]);
+    publish(&f, model([1]), &both, 1);
+    assert_eq!(f.newest_unsettled_share(), 1.0);
+    let n1 = sync(&f, "n1", None);
+    assert_eq!(f.newest_unsettled_share(), 0.5);
+    publish(&f, model([1, 2]), &both, 2);
+    assert_eq!(
+        f.newest_unsettled_share(),
+        1.0,
+        "a new publication starts over"
+    );
+    sync(&f, "n1", Some(&n1));
+    assert_eq!(f.newest_unsettled_share(), 0.5);
+    f.set_connected("n2", false, "peer-2");
+    assert_eq!(f.newest_unsettled_share(), 0.0, "n1 acked, n2 left");
+}
+
 // ---- NACKs ----
 
 /// A NACK drops what the brain believed the node holds: the error is kept, it cannot resume
