@@ -176,8 +176,8 @@ pub struct Args {
     /// Threads serving the nodes' connections (TLS, HTTP/2, the sessions' fan-out); 0 (the
     /// default): one per CPU this process may use. The watches and the index have a thread of
     /// their own besides. Set it to the CPUs the brain should take when it shares its machine:
-    /// more threads than the CPUs it gets cost it in wakeups and in the CPU they take from
-    /// what it shares them with.
+    /// fewer threads cost less CPU under churn but get a smaller share of contended cores
+    /// (README, "Scale").
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
     /// Experimental: after --min-publish-interval-ms, a publication also waits (up to 1 s) until

@@ -140,8 +140,11 @@ pub async fn run(
                 && tokio::time::Instant::now() < bound
             {
                 let next = (tokio::time::Instant::now() + FANOUT_POLL).min(bound);
-                if let Ok(Some(input)) = tokio::time::timeout_at(next, rx.recv()).await {
-                    state.handle(input);
+                match tokio::time::timeout_at(next, rx.recv()).await {
+                    Ok(Some(input)) => state.handle(input),
+                    // Every sender gone (the brain stopping): nothing more to wait for.
+                    Ok(None) => break,
+                    Err(_) => {}
                 }
             }
         }
