@@ -182,7 +182,7 @@ pub struct Args {
     pub worker_threads: usize,
     /// Experimental: after --min-publish-interval-ms, a publication also waits (up to 1 s) until
     /// no more than this share (0 to 1) of the nodes has yet to ack the last one. 1: no wait.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::pacing::parse_share)]
     pub publish_when_unsettled: f64,
     /// Certificate Organization (group) whose members are nodes: they may open `Sync` for the
     /// node their common name or DNS SAN names, and read only that node's state.

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod node_watch;
 pub mod objects;
 pub mod overlay;
+pub mod pacing;
 pub mod pki;
 pub mod podcert;
 pub mod restate;

@@ -14,6 +14,7 @@ use crate::config::{BrainConfig, Serving, Tuning};
 use crate::fanout::Fanout;
 use crate::freshness::{self, Freshness};
 use crate::metrics::Metrics;
+use crate::pacing::Pacing;
 use crate::pki::{self, Pki};
 use crate::server::DataplaneService;
 use crate::sync_route::SyncRoute;
@@ -141,8 +142,10 @@ pub async fn run(config: BrainConfig) -> anyhow::Result<()> {
                         freshness,
                         watch::WatchOptions {
                             streaming_lists: tuning.streaming_lists,
-                            min_interval: tuning.min_publish_interval,
-                            publish_when_unsettled: tuning.publish_when_unsettled,
+                            pacing: Pacing {
+                                min_interval: tuning.min_publish_interval,
+                                when_unsettled: tuning.publish_when_unsettled,
+                            },
                             probe_interval: tuning.api_probe_interval,
                             queries: Some(queries_rx),
                         },

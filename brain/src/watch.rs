@@ -1,7 +1,7 @@
 //! One watch per resource on the API server (streaming lists), feeding a single task that owns
-//! the [`Indexer`], and the pacing of its publications. What the events do to the index and
-//! when a publication may go out (never before every list is complete: "no empty push",
-//! docs/invariants.md) is the indexer's ([`crate::index`]).
+//! the [`Indexer`] and publishes, spaced as [`crate::pacing`] says. What the events do to the
+//! index and whether a publication may go out at all (never before every list is complete: "no
+//! empty push", docs/invariants.md) is the indexer's ([`crate::index`]).
 //!
 //! The same task keeps the brain's freshness ([`crate::freshness`], "never silently stale"):
 //! every watch event and every answer to the periodic probe is a contact with the API server.
@@ -25,6 +25,7 @@ use crate::fanout::Fanout;
 use crate::freshness::{Freshness, RESTART_AFTER_FAILED_PROBES};
 use crate::index::{Indexer, WatchEvent};
 use crate::metrics::Metrics;
+use crate::pacing::Pacing;
 use crate::rules::RulesConfig;
 use crate::service_view::{ServiceQuery, ServiceView};
 
@@ -44,19 +45,11 @@ enum Input {
     Query(ServiceQuery),
 }
 
-/// The longest a publication waits for the last one's fan-out (`WatchOptions::publish_when_unsettled`).
-const FANOUT_WAIT_MAX: Duration = Duration::from_secs(1);
-/// How often that wait looks at the fan-out.
-const FANOUT_POLL: Duration = Duration::from_millis(5);
-
 /// How the watches run.
 pub struct WatchOptions {
     pub streaming_lists: bool,
-    /// At least this long between two publications.
-    pub min_interval: Duration,
-    /// After `min_interval`, wait (at most [`FANOUT_WAIT_MAX`]) until no more than this share of
-    /// the nodes has yet to ack the last publication; 1.0 does not wait.
-    pub publish_when_unsettled: f64,
+    /// How publications are spaced.
+    pub pacing: Pacing,
     /// How often the API server is probed.
     pub probe_interval: Duration,
     /// Questions about one Service (`GetService`), answered between events from the index.
@@ -123,29 +116,16 @@ pub async fn run(
     let mut last_publish: Option<tokio::time::Instant> = None;
     while let Some(input) = rx.recv().await {
         state.handle(input);
-        // Publications are at least `min_interval` apart (kube-proxy's min sync period has the
-        // same purpose): every publication costs one update per node, so under churn the events
-        // of an interval are folded into one publication instead of thousands of streams each
-        // chasing every event.
+        // Publications are spaced ([`crate::pacing`]): under churn the events of a while are
+        // folded into one publication; after a quiet period a change goes out at once.
         if let Some(at) = last_publish {
-            let deadline = at + options.min_interval;
-            while let Ok(Some(input)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-                state.handle(input);
-            }
-            // Under load, also until most nodes hold the last publication: a node still busy
-            // with it would get the next one folded into its following update anyway.
-            let bound = at + FANOUT_WAIT_MAX;
-            while options.publish_when_unsettled < 1.0
-                && fanout.newest_unsettled_share() > options.publish_when_unsettled
-                && tokio::time::Instant::now() < bound
+            let unsettled = || fanout.newest_unsettled_share();
+            if !options
+                .pacing
+                .hold(at, &mut rx, unsettled, |i| state.handle(i))
+                .await
             {
-                let next = (tokio::time::Instant::now() + FANOUT_POLL).min(bound);
-                match tokio::time::timeout_at(next, rx.recv()).await {
-                    Ok(Some(input)) => state.handle(input),
-                    // Every sender gone (the brain stopping): nothing more to wait for.
-                    Ok(None) => break,
-                    Err(_) => {}
-                }
+                break;
             }
         }
         // Fold in whatever else is already queued before recomputing.
