@@ -7,7 +7,7 @@
 //! - publications are at least `min_interval` apart (kube-proxy's min sync period has the same
 //!   purpose);
 //! - optionally (`--publish-when-unsettled`), also until no more than a share of the nodes has
-//!   yet to ack the last publication, never past [`UNSETTLED_WAIT_MAX`] after it: a node still
+//!   yet to ack the last publication, never past 1 s after it (`UNSETTLED_WAIT_MAX`): a node still
 //!   busy with the last one would get the next folded into its following update anyway.
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// The longest a publication waits for the last one's fan-out.
-pub const UNSETTLED_WAIT_MAX: Duration = Duration::from_secs(1);
+const UNSETTLED_WAIT_MAX: Duration = Duration::from_secs(1);
 /// How often that wait looks at the fan-out.
 const UNSETTLED_POLL: Duration = Duration::from_millis(5);
 
@@ -50,6 +50,7 @@ impl Pacing {
             }
         }
         let bound = last + UNSETTLED_WAIT_MAX;
+        // 1 (off) is tested first: no share exceeds it, and the share takes the fan-out's lock.
         while self.when_unsettled < 1.0 && unsettled() > self.when_unsettled {
             let now = Instant::now();
             if now >= bound {
