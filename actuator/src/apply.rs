@@ -9,11 +9,12 @@
 mod fuzz_tests;
 pub mod kernel;
 pub mod reconcile;
+pub mod stopwatch;
 #[cfg(test)]
 mod tests;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use prost::Message;
 use splitproxy_proto::model::element_key_bytes;
@@ -23,6 +24,7 @@ use splitproxy_proto::v1::{Family, Table, TableRemoval, Update, update::Body};
 use crate::nft::{Batch, CommitError, EncodeError, MessageFailure, NftSocket};
 use crate::{conntrack, guards};
 use kernel::Kernel;
+use stopwatch::Stopwatch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
@@ -96,8 +98,11 @@ pub struct Applied {
 /// take it as is.
 #[derive(Debug, Clone)]
 pub struct Outcome {
-    /// Time the kernel took to commit.
+    /// Time the kernel took to commit, on the wall.
     pub took: Duration,
+    /// Of `took`, the time the applying thread was on a CPU (see stopwatch.rs); `None` when
+    /// no commit was timed (an adoption, a repair).
+    pub took_on_cpu: Option<Duration>,
     /// Whether the kernel's tables changed (a batch was committed). An update that changed
     /// nothing (the node held its content already, e.g. after a reconnect) programmed nothing,
     /// so its trigger times are no network programming latency.
@@ -258,7 +263,7 @@ impl<K: Kernel> Applier<K> {
         if let Some(e) = batch.error() {
             return Err(ApplyError::Encode(e.clone()));
         }
-        let start = Instant::now();
+        let stopwatch = Stopwatch::start();
         let changed = !batch.is_empty();
         let (messages, bytes) = (batch.len(), batch.byte_len());
         if changed {
@@ -268,7 +273,7 @@ impl<K: Kernel> Applier<K> {
             }
             self.kernel_generation = self.kernel.generation().ok();
         }
-        let took = start.elapsed();
+        let took = stopwatch.stop();
         // Costs what changed in the role-marked and guard sets (the models share structure).
         // The first commit of a process has no previous model: it resyncs from `next` alone.
         let conntrack = if self.adopted {
@@ -293,7 +298,8 @@ impl<K: Kernel> Applier<K> {
             "committed update"
         );
         Ok(Outcome {
-            took,
+            took: took.wall,
+            took_on_cpu: took.on_cpu,
             changed,
             messages,
             bytes,

@@ -34,6 +34,8 @@ type ByLabel = Family<[(&'static str, &'static str); 1], Counter>;
 pub struct Metrics {
     registry: Registry,
     sync: Histogram,
+    /// Of the time `sync` counts, the seconds the applying thread ran on a CPU.
+    sync_on_cpu: Counter<f64, AtomicU64>,
     npl: Histogram,
     last_sync: Gauge<f64, AtomicU64>,
     applied_generation: Gauge<i64, AtomicI64>,
@@ -63,6 +65,7 @@ impl Default for Metrics {
         let m = Metrics {
             registry: Registry::default(),
             sync: Histogram::new(SYNC_BUCKETS.iter().copied()),
+            sync_on_cpu: Counter::default(),
             npl: Histogram::new(NPL_BUCKETS.iter().copied()),
             last_sync: Gauge::default(),
             applied_generation: Gauge::default(),
@@ -96,8 +99,19 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn applied(&self, generation: u64, took: Duration, snapshot: bool, elements: usize) {
+    /// An update committed in `took` (wall), `on_cpu` of it on a CPU.
+    pub fn applied(
+        &self,
+        generation: u64,
+        took: Duration,
+        on_cpu: Option<Duration>,
+        snapshot: bool,
+        elements: usize,
+    ) {
         self.sync.observe(took.as_secs_f64());
+        if let Some(on_cpu) = on_cpu {
+            self.sync_on_cpu.inc_by(on_cpu.as_secs_f64());
+        }
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
@@ -208,6 +222,12 @@ impl Metrics {
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "Time the actuator took to apply one update to the kernel (one nf_tables transaction)",
             self.sync.clone(),
+        );
+        r.register(
+            "splitproxy_actuator_sync_on_cpu_seconds",
+            "Of kubeproxy_sync_proxy_rules_duration_seconds, the time the applying thread ran on a CPU; \
+             the rest it waited, for a CPU on a busy node or asleep in the kernel",
+            self.sync_on_cpu.clone(),
         );
         r.register(
             "kubeproxy_network_programming_duration_seconds",

@@ -24,6 +24,7 @@ pub fn apply_span(traceparent: &str, generation: u64, snapshot: bool) -> Option<
         splitproxy.transaction.messages = tracing::field::Empty,
         splitproxy.transaction.bytes = tracing::field::Empty,
         splitproxy.kernel_ms = tracing::field::Empty,
+        splitproxy.kernel_on_cpu_ms = tracing::field::Empty,
         splitproxy.error = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
     );
@@ -38,6 +39,9 @@ pub fn applied(span: &tracing::Span, outcome: &Outcome) {
     span.record("splitproxy.transaction.messages", outcome.messages as u64);
     span.record("splitproxy.transaction.bytes", outcome.bytes as u64);
     span.record("splitproxy.kernel_ms", ms(outcome.took));
+    if let Some(on_cpu) = outcome.took_on_cpu {
+        span.record("splitproxy.kernel_on_cpu_ms", ms(on_cpu));
+    }
 }
 
 /// Records a refused apply and why.

@@ -273,6 +273,10 @@ pub struct SingleChanges {
     /// The real actuators' kernel apply, exact per node and change (the change's one sync:
     /// the difference of the sync histogram's sum).
     pub real_apply: Stats,
+    /// Of `real_apply`, the time the actuator's applying thread ran on a CPU, per node and
+    /// change (the rest it waited: for a CPU the fleet and the brain share, mostly).
+    #[serde(default)]
+    pub real_apply_on_cpu: Stats,
     /// Node-changes where the sync histogram counted other than one apply (left out above).
     pub real_apply_inexact: usize,
     /// kube-proxy, per change: the end of the first sync that counted it - trigger time.

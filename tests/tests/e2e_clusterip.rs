@@ -219,6 +219,17 @@ async fn clusterip_follows_endpoints_end_to_end() {
         )
         .unwrap();
         assert!(syncs >= 4.0, "node {i} applied {syncs} updates:\n{m}");
+        // Of the commits' wall time, the applying thread ran some on a CPU, never more.
+        let wall =
+            splitproxy_tests::deploy::metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_sum")
+                .unwrap();
+        let on_cpu =
+            splitproxy_tests::deploy::metric(&m, "splitproxy_actuator_sync_on_cpu_seconds_total")
+                .unwrap();
+        assert!(
+            on_cpu > 0.0 && on_cpu <= wall,
+            "node {i}: {on_cpu} s on a CPU of {wall} s:\n{m}"
+        );
         assert_eq!(
             splitproxy_tests::deploy::metric(&m, "splitproxy_actuator_apply_errors_total"),
             Some(0.0)

@@ -237,6 +237,7 @@ impl<K: Kernel> Applier<K> {
     pub fn after_repair(&self) -> Outcome {
         Outcome {
             took: Duration::ZERO,
+            took_on_cpu: None,
             changed: true,
             messages: 0,
             bytes: 0,
@@ -272,6 +273,7 @@ impl<K: Kernel> Applier<K> {
         self.kernel_generation = Some(read.generation);
         Ok(Some(Outcome {
             took: start.elapsed(),
+            took_on_cpu: None,
             changed: false,
             messages: 0,
             bytes: 0,

@@ -64,9 +64,11 @@ pub(super) async fn apply<K: Kernel + Send + 'static>(
     });
     match result {
         Ok(outcome) => {
-            let took = outcome.took;
             let elements = outcome.model.element_count();
-            health.metrics.applied(generation, took, snapshot, elements);
+            let took = outcome.took;
+            health
+                .metrics
+                .applied(generation, took, outcome.took_on_cpu, snapshot, elements);
             health
                 .ready
                 .store(true, std::sync::atomic::Ordering::Relaxed);

@@ -34,6 +34,8 @@ pub const UPDATES_SENT: &str = "splitproxy_brain_updates_sent_total";
 pub const SYNC: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
 pub const NPL: &str = "kubeproxy_network_programming_duration_seconds";
 pub const LAST_SYNC: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
+/// Of the sync time, what the actuator's applying thread ran on a CPU.
+pub const SYNC_ON_CPU: &str = "splitproxy_actuator_sync_on_cpu_seconds_total";
 
 /// Everything a phase works on.
 pub struct Bench {

@@ -6,7 +6,7 @@
 //! and every node, not one sample per node.
 use std::time::{Duration, Instant, SystemTime};
 
-use super::{Bench, LAST_SYNC, SYNC, mean_of, unix};
+use super::{Bench, LAST_SYNC, SYNC, SYNC_ON_CPU, mean_of, unix};
 use crate::measure::prom::Scrape;
 use crate::measure::stats::LatencyHist;
 use crate::results::{Phase, SingleChanges};
@@ -34,6 +34,7 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
     let mut npl_real = LatencyHist::default();
     let mut real_per_change = LatencyHist::default();
     let mut real_apply = LatencyHist::default();
+    let mut real_apply_on_cpu = LatencyHist::default();
     let mut kp_exact = LatencyHist::default();
     let mut kp_sync = LatencyHist::default();
     let mut converged = LatencyHist::default();
@@ -74,7 +75,15 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
                 .histogram(SYNC)
                 .map(|h| h.since(before.as_ref().and_then(|b| b.histogram(SYNC)).as_ref()));
             match d {
-                Some(d) if d.count == 1.0 => real_apply.record(d.sum),
+                Some(d) if d.count == 1.0 => {
+                    real_apply.record(d.sum);
+                    let on_cpu = after
+                        .sum(SYNC_ON_CPU)
+                        .zip(before.as_ref().and_then(|b| b.sum(SYNC_ON_CPU)));
+                    if let Some((after, before)) = on_cpu {
+                        real_apply_on_cpu.record(after - before);
+                    }
+                }
                 _ => out.real_apply_inexact += 1,
             }
         }
@@ -131,6 +140,7 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
     out.npl_real = npl_real.summary();
     out.real_per_change = real_per_change.summary();
     out.real_apply = real_apply.summary();
+    out.real_apply_on_cpu = real_apply_on_cpu.summary();
     out.kube_proxy_exact = kp_exact.summary();
     out.kube_proxy_sync = kp_sync.summary();
     out.converged = converged.summary();
@@ -150,13 +160,15 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
     out.npl_virtual = phase.splitproxy.npl_virtual.clone();
     println!(
         "[bench]   endpoint_flip: {k} changes; NPL p50 {} p99 {}; real nodes reached after {} \
-         (mean), p50 {}; kernel apply p50 {} p99 {}; kube-proxy {} (mean), p50 {}",
+         (mean), p50 {}; kernel apply p50 {} p99 {} (on CPU p50 {} p99 {}); kube-proxy {} (mean), p50 {}",
         ms(out.npl.p50),
         ms(out.npl.p99),
         ms(out.real_per_change.mean),
         ms(out.real_per_change.p50),
         ms(out.real_apply.p50),
         ms(out.real_apply.p99),
+        ms(out.real_apply_on_cpu.p50),
+        ms(out.real_apply_on_cpu.p99),
         ms(out.kube_proxy_exact.mean),
         ms(out.kube_proxy_exact.p50),
     );
