@@ -798,6 +798,15 @@ pub fn markdown(r: &BenchResult, out_rel: &str, plots: &[String]) -> String {
             ms(ka),
             fmt_ratio(ratio(ra, ka))
         );
+        if !sp.real_apply_on_cpu_mean.is_empty() {
+            let _ = writeln!(
+                w,
+                "| of it, the applying thread on a CPU, mean | {} | | |",
+                ms(crate::phases::mean_of(
+                    sp.real_apply_on_cpu_mean.values().copied()
+                ))
+            );
+        }
         let _ = writeln!(
             w,
             "| nodes with latency samples | {} of {} | {} | |",

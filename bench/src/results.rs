@@ -192,6 +192,9 @@ pub struct SplitproxyPhase {
     pub bytes_per_publication: Option<f64>,
     /// Real actuators' kernel apply time (their sync histogram across the phase).
     pub real_apply: BTreeMap<String, HistSummary>,
+    /// Of it, per real actuator, the mean time its applying thread ran on a CPU per sync.
+    #[serde(default)]
+    pub real_apply_on_cpu_mean: BTreeMap<String, f64>,
     /// Virtual nodes: decode and apply into the in-memory model, per update.
     pub virtual_apply: Stats,
 }
