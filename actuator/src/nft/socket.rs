@@ -36,13 +36,17 @@ const RCVBUF_PER_ACK: usize = 2048;
 /// Headroom on top of the batch length for the send buffer.
 const SNDBUF_HEADROOM: usize = 64 * 1024;
 const RX_BUF_LEN: usize = 64 * 1024;
+/// The framing buffer kept between commits. A node's first commit writes its whole ruleset
+/// (megabytes at 10,000 Services) while a change is a few kilobytes: a buffer sized for the
+/// first would stay resident for the life of the process, so anything larger is let go.
+const OUT_KEPT: usize = 256 * 1024;
 
 /// A netlink socket to nf_tables in the network namespace of the thread that opened it.
 #[derive(Debug)]
 pub struct NftSocket {
     sock: Socket,
     seq: u32,
-    /// The framed batch with sequence numbers, reused across commits.
+    /// The framed batch with sequence numbers, reused across commits up to [`OUT_KEPT`].
     out: Vec<u8>,
     rx: Vec<u8>,
     sndbuf: usize,
@@ -109,7 +113,17 @@ impl NftSocket {
             ok = r.is_ok(),
             "nft commit"
         );
+        if self.out.capacity() > OUT_KEPT {
+            self.out = Vec::new();
+        }
         r
+    }
+
+    /// Bytes the framing buffer holds on to between commits (at most [`OUT_KEPT`] after a
+    /// commit).
+    #[cfg(test)]
+    pub(crate) fn framing_capacity(&self) -> usize {
+        self.out.capacity()
     }
 
     /// Lists the elements of set `set` in table `family table` (an NFT_MSG_GETSETELEM dump),

@@ -491,6 +491,18 @@ fn kernel_commits_a_10_mb_batch() {
             batch.byte_len(),
             started.elapsed()
         );
+        // A node's first commit is its largest: the framing buffer is not kept at its size.
+        assert!(
+            sock.framing_capacity() <= 256 * 1024,
+            "{} bytes kept",
+            sock.framing_capacity()
+        );
+        // Small commits still reuse it.
+        commit(&mut sock, |b| {
+            b.del_elements(IP, TABLE, &set, &elems[..1]).unwrap();
+        })
+        .unwrap();
+        assert!(sock.framing_capacity() > 0);
     });
 }
 
