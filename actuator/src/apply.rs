@@ -258,7 +258,7 @@ impl<K: Kernel> Applier<K> {
         &mut self,
         update: &Update,
         next: Model,
-        batch: Batch,
+        mut batch: Batch,
     ) -> Result<Outcome, ApplyError> {
         if let Some(e) = batch.error() {
             return Err(ApplyError::Encode(e.clone()));
@@ -267,7 +267,7 @@ impl<K: Kernel> Applier<K> {
         let changed = !batch.is_empty();
         let (messages, bytes) = (batch.len(), batch.byte_len());
         if changed {
-            if let Err(e) = self.kernel.commit(&batch) {
+            if let Err(e) = self.kernel.commit(&mut batch) {
                 self.refused(&e);
                 return Err(e.into());
             }

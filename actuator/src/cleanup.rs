@@ -20,7 +20,7 @@ pub fn delete_tables(table: &str) -> anyhow::Result<()> {
         batch.destroy_table(family, table);
     }
     socket
-        .commit(&batch)
+        .commit(&mut batch)
         .map_err(|e| anyhow::anyhow!("deleting the tables ip {table} and ip6 {table}: {e}"))?;
     Ok(())
 }

@@ -283,7 +283,7 @@ impl Cleaner {
             deleted += stale.len();
         }
         if !batch.is_empty() {
-            sock.commit(&batch)?;
+            sock.commit(&mut batch)?;
         }
         Ok(deleted)
     }

@@ -616,7 +616,7 @@ fn run_steps(adopted: bool, steps: &[Step]) -> Result<(), TestCaseError> {
         if step.refuse.is_some() && refused_now == refused {
             let mut b = crate::nft::Batch::new();
             b.add_table(Family::Ip, TABLE, "");
-            let _ = a.kernel_mut().commit(&b);
+            let _ = a.kernel_mut().commit(&mut b);
         }
     }
     Ok(())

@@ -18,8 +18,9 @@ use crate::nft::{Batch, CommitError, MessageFailure, NftSocket, ReadError, ReadT
 /// [`Recording`] fake.
 pub trait Kernel {
     /// Commits `batch` as one transaction. On error nothing of it was applied, unless
-    /// [`CommitError::rolled_back`] says the outcome is unknown.
-    fn commit(&mut self, batch: &Batch) -> Result<(), CommitError>;
+    /// [`CommitError::rolled_back`] says the outcome is unknown. The batch is `mut` because
+    /// the socket numbers its messages in place and sends them without a copy (nft/socket.rs).
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), CommitError>;
 
     /// The ruleset generation: it changes with every transaction anyone commits.
     fn generation(&mut self) -> io::Result<u32>;
@@ -29,7 +30,7 @@ pub trait Kernel {
 }
 
 impl Kernel for NftSocket {
-    fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), CommitError> {
         NftSocket::commit(self, batch)
     }
 
@@ -165,7 +166,7 @@ impl Kernel for Recording {
     /// Answers like [`NftSocket::commit`]: a poisoned batch is refused before anything is
     /// sent, an empty one is taken without a trace, and a refusal has the shape nf_tables
     /// gives it.
-    fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
+    fn commit(&mut self, batch: &mut Batch) -> Result<(), CommitError> {
         if let Some(e) = batch.error() {
             return Err(CommitError::Encode(e.clone()));
         }
@@ -230,8 +231,8 @@ mod tests {
     #[test]
     fn records_what_it_takes_and_refuses_on_cue() {
         let mut k = Recording::new();
-        k.commit(&two_messages()).unwrap();
-        k.commit(&Batch::new()).unwrap();
+        k.commit(&mut two_messages()).unwrap();
+        k.commit(&mut Batch::new()).unwrap();
         assert_eq!(k.committed().len(), 1, "an empty batch leaves no trace");
         assert_eq!(
             k.last().unwrap().messages,
@@ -240,7 +241,7 @@ mod tests {
         assert_eq!(k.last().unwrap().bytes, two_messages().byte_len());
 
         k.refuse_next_at(7, 16, "Device or resource busy");
-        let err = k.commit(&two_messages()).unwrap_err();
+        let err = k.commit(&mut two_messages()).unwrap_err();
         let CommitError::Rejected { failures } = &err else {
             panic!("{err:?}");
         };
@@ -256,7 +257,7 @@ mod tests {
         assert!(err.rolled_back());
         assert_eq!((k.committed().len(), k.refused().len()), (1, 1));
         // Only the next commit is refused.
-        k.commit(&two_messages()).unwrap();
+        k.commit(&mut two_messages()).unwrap();
         assert_eq!(k.committed().len(), 2);
     }
 
@@ -265,7 +266,7 @@ mod tests {
         let mut k = Recording::new();
         let mut b = two_messages();
         b.del_table(Family::Unspecified, "t");
-        assert!(matches!(k.commit(&b), Err(CommitError::Encode(_))));
+        assert!(matches!(k.commit(&mut b), Err(CommitError::Encode(_))));
         assert!(k.committed().is_empty() && k.refused().is_empty());
     }
 }

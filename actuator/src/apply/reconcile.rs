@@ -209,13 +209,13 @@ impl<K: Kernel> Applier<K> {
         };
         let read = start.elapsed();
         let start = Instant::now();
-        let batch = self
+        let mut batch = self
             .replacement(&self.model)
             .map_err(|source| ReconcileError::Repair {
                 drift: Box::new(drift.clone()),
                 source: Box::new(source),
             })?;
-        if let Err(e) = self.kernel.commit(&batch) {
+        if let Err(e) = self.kernel.commit(&mut batch) {
             self.refused(&e);
             return Err(ReconcileError::Repair {
                 drift: Box::new(drift),

@@ -170,7 +170,7 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
         batch
             .add_elements(Family::Ip, TABLE, &affinity_map(IpFamily::V4), &added)
             .unwrap();
-        sock.commit(&batch).unwrap();
+        sock.commit(&mut batch).unwrap();
         let stays = [
             "10.0.0.6 . 10.96.0.10 . udp . 53 -> 10.0.0.3 . 5353",
             "10.0.0.7 . 10.96.0.10 . tcp . 53 -> 10.0.0.2 . 5353",
@@ -245,7 +245,7 @@ fn kernel_cleanup_deletes_exactly_the_guarded_entries() {
         batch
             .destroy_element_keys(Family::Ip, TABLE, AFFINITY, gone.iter().map(|e| &e.key[..]))
             .unwrap();
-        sock.commit(&batch).unwrap();
+        sock.commit(&mut batch).unwrap();
         assert_eq!(listed(ns), sorted(&stays));
 
         // A map the kernel no longer has: logged and counted, not returned.

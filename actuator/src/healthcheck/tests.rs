@@ -280,7 +280,7 @@ fn kernel_takes_the_health_check_set() {
         }
         crate::nft::NftSocket::open()
             .unwrap()
-            .commit(&batch)
+            .commit(&mut batch)
             .unwrap();
         let listed = ns.nft(&["list", "map", "ip", TABLE, SET]);
         for want in [

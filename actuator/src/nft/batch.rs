@@ -298,6 +298,20 @@ impl Batch {
     }
 
     /// The encoded messages, in order, without sequence numbers.
+    /// Every message, back to back: what the kernel is sent between the batch markers.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.buf.bytes()
+    }
+
+    /// Writes `seq(i)` as the sequence number of message `i`, in place, so that the batch is
+    /// sent as it is rather than copied to be numbered (a first commit is megabytes).
+    pub(crate) fn stamp_sequence(&mut self, seq: impl Fn(usize) -> u32) {
+        for (i, m) in self.msgs.iter().enumerate() {
+            self.buf.put_u32_ne_at(m.bytes.start + 8, seq(i));
+        }
+    }
+
+    #[cfg(test)]
     pub(crate) fn messages(&self) -> impl Iterator<Item = &[u8]> {
         self.msgs.iter().map(|m| &self.buf.bytes()[m.bytes.clone()])
     }

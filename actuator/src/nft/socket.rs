@@ -11,11 +11,12 @@
 //!   outcome unknown; it is raised to hold one per message, and acknowledgements are capped
 //!   (NETLINK_CAP_ACK) so that an error does not echo a 60 KiB message back.
 
-use std::io;
+use std::io::{self, IoSlice};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use netlink_sys::Socket;
-use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::socket::{MsgFlags, sendmsg, setsockopt, sockopt};
 
 use splitproxy_proto::v1::Family;
 
@@ -36,17 +37,16 @@ const RCVBUF_PER_ACK: usize = 2048;
 /// Headroom on top of the batch length for the send buffer.
 const SNDBUF_HEADROOM: usize = 64 * 1024;
 const RX_BUF_LEN: usize = 64 * 1024;
-/// The framing buffer kept between commits. A node's first commit writes its whole ruleset
-/// (megabytes at 10,000 Services) while a change is a few kilobytes: a buffer sized for the
-/// first would stay resident for the life of the process, so anything larger is let go.
-const OUT_KEPT: usize = 256 * 1024;
 
 /// A netlink socket to nf_tables in the network namespace of the thread that opened it.
 #[derive(Debug)]
 pub struct NftSocket {
     sock: Socket,
     seq: u32,
-    /// The framed batch with sequence numbers, reused across commits up to [`OUT_KEPT`].
+    /// The requests other than commits (a few bytes each), reused. A commit is sent from its
+    /// batch's own buffer, not copied here: a node's first commit is its whole ruleset
+    /// (megabytes at 10,000 Services), and a copy would double the actuator's peak memory and,
+    /// kept for the next commit, stay resident for the life of the process.
     out: Vec<u8>,
     rx: Vec<u8>,
     sndbuf: usize,
@@ -79,8 +79,9 @@ impl NftSocket {
     }
 
     /// Sends `batch` as one transaction and waits for every acknowledgement. On error the
-    /// kernel has rolled the whole transaction back (see [`CommitError::rolled_back`]).
-    pub fn commit(&mut self, batch: &Batch) -> Result<(), CommitError> {
+    /// kernel has rolled the whole transaction back (see [`CommitError::rolled_back`]). The
+    /// batch's messages are numbered in place for this socket (see [`seq_of`]).
+    pub fn commit(&mut self, batch: &mut Batch) -> Result<(), CommitError> {
         if let Some(e) = batch.error() {
             return Err(CommitError::Encode(e.clone()));
         }
@@ -90,40 +91,42 @@ impl NftSocket {
         let started = Instant::now();
         let base = self.seq;
         self.seq = base.wrapping_add(batch.len() as u32 + 2);
-        frame(&mut self.out, batch, base);
+        let (begin, end) = number(batch, base);
+        let total = batch.byte_len() + 2 * HEADER_LEN;
         let send_err = |source| CommitError::Send {
             messages: batch.len(),
             bytes: batch.byte_len(),
             source,
         };
         self.drain_stale();
-        self.size_buffers(batch.len()).map_err(send_err)?;
-        let sent = self.sock.send(&self.out, 0).map_err(send_err)?;
-        if sent != self.out.len() {
+        self.size_buffers(total, batch.len()).map_err(send_err)?;
+        // One datagram from three pieces: the kernel takes a netlink message whole.
+        let sent = sendmsg::<()>(
+            self.sock.as_raw_fd(),
+            &[
+                IoSlice::new(&begin),
+                IoSlice::new(batch.bytes()),
+                IoSlice::new(&end),
+            ],
+            &[],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(|e| send_err(io::Error::from(e)))?;
+        if sent != total {
             return Err(send_err(io::Error::other(format!(
-                "short send: {sent} of {} bytes",
-                self.out.len()
+                "short send: {sent} of {total} bytes"
             ))));
         }
         let r = self.read_acks(batch, base);
         tracing::debug!(
             messages = batch.len(),
-            bytes = self.out.len(),
+            bytes = total,
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             ok = r.is_ok(),
             "nft commit"
         );
-        if self.out.capacity() > OUT_KEPT {
-            self.out = Vec::new();
-        }
         r
-    }
-
-    /// Bytes the framing buffer holds on to between commits (at most [`OUT_KEPT`] after a
-    /// commit).
-    #[cfg(test)]
-    pub(crate) fn framing_capacity(&self) -> usize {
-        self.out.capacity()
     }
 
     /// Lists the elements of set `set` in table `family table` (an NFT_MSG_GETSETELEM dump),
@@ -265,10 +268,10 @@ impl NftSocket {
     }
 
     /// Raises the socket buffers so the datagram fits and every acknowledgement can queue.
-    fn size_buffers(&mut self, messages: usize) -> io::Result<()> {
+    fn size_buffers(&mut self, bytes: usize, messages: usize) -> io::Result<()> {
         // The kernel doubles the value it is given, an int.
         let max = (i32::MAX / 2) as usize;
-        let snd = (self.out.len() + SNDBUF_HEADROOM).min(max);
+        let snd = (bytes + SNDBUF_HEADROOM).min(max);
         if snd > self.sndbuf {
             if setsockopt(&self.sock, sockopt::SndBufForce, &snd).is_err() {
                 setsockopt(&self.sock, sockopt::SndBuf, &snd).map_err(io::Error::from)?;
@@ -378,19 +381,14 @@ mod libc_flags {
     pub const ENOBUFS: i32 = nix::errno::Errno::ENOBUFS as i32;
 }
 
-/// Writes BATCH_BEGIN (sequence number `base`), the batch's messages numbered from `base + 1`,
-/// and BATCH_END into `out`.
-fn frame(out: &mut Vec<u8>, batch: &Batch, base: u32) {
-    out.clear();
-    out.reserve(batch.byte_len() + 2 * HEADER_LEN);
-    out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_BEGIN, base));
-    for (i, msg) in batch.messages().enumerate() {
-        let at = out.len();
-        out.extend_from_slice(msg);
-        out[at + 8..at + 12].copy_from_slice(&seq_of(base, i).to_ne_bytes());
-    }
-    let end = seq_of(base, batch.len());
-    out.extend_from_slice(&batch_marker(NFNL_MSG_BATCH_END, end));
+/// Numbers the messages of `batch` from `base + 1` and returns the BATCH_BEGIN (numbered
+/// `base`) and BATCH_END that go before and after them.
+fn number(batch: &mut Batch, base: u32) -> ([u8; HEADER_LEN], [u8; HEADER_LEN]) {
+    batch.stamp_sequence(|i| seq_of(base, i));
+    (
+        batch_marker(NFNL_MSG_BATCH_BEGIN, base),
+        batch_marker(NFNL_MSG_BATCH_END, seq_of(base, batch.len())),
+    )
 }
 
 /// NFNL_MSG_BATCH_BEGIN or _END for the nf_tables subsystem.
@@ -466,12 +464,15 @@ mod tests {
     }
 
     #[test]
-    fn frames_the_batch_with_consecutive_sequence_numbers() {
+    fn numbers_the_batch_with_consecutive_sequence_numbers() {
         let mut batch = Batch::new();
         batch.add_table(splitproxy_proto::v1::Family::Ip, "t", "");
         batch.del_set(splitproxy_proto::v1::Family::Ip, "t", "s");
-        let mut out = Vec::new();
-        frame(&mut out, &batch, 100);
+        let (begin, end) = number(&mut batch, 7);
+        // Numbered again for another commit: the numbers are overwritten, not added to.
+        let (begin2, end2) = number(&mut batch, 100);
+        assert_ne!((begin, end), (begin2, end2));
+        let out = [&begin2[..], batch.bytes(), &end2[..]].concat();
         assert_eq!(out.len(), batch.byte_len() + 2 * HEADER_LEN);
         let mut seqs = Vec::new();
         let mut types = Vec::new();

@@ -237,7 +237,7 @@ fn kernel_fuzz_adversarial_updates_leave_the_old_or_the_new_table() {
             for family in [Family::Ip, Family::Ip6] {
                 clean.destroy_table(family, TABLE);
             }
-            sock.commit(&clean).unwrap();
+            sock.commit(&mut clean).unwrap();
             let mut a = Applier::new(sock, TABLE.to_owned());
             if adopted {
                 a.apply(&first_snapshot()).unwrap();

@@ -217,7 +217,7 @@ fn kernel_ct_tuple_fields_load_and_match() {
         let mut batch = Batch::new();
         add_table(&mut batch, &t4).unwrap();
         add_table(&mut batch, &t6).unwrap();
-        sock.commit(&batch).unwrap();
+        sock.commit(&mut batch).unwrap();
 
         // What the kernel holds is what we sent, direction included.
         // The kernel keeps no direction for `ct protocol` (the same in both tuples): it
