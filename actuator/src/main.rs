@@ -1,7 +1,15 @@
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // Before the runtime starts its threads (see malloc.rs).
+    splitproxy_actuator::malloc::limit_arenas();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let args = splitproxy_actuator::config::Args::parse();
     let telemetry = splitproxy_actuator::init_telemetry(&args.log_format);
     if args.cleanup {

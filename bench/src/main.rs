@@ -33,6 +33,8 @@ fn main() -> anyhow::Result<()> {
                 .block_on(splitproxy_brain::run::run(config))
         }
         Some(Command::Actuator(args)) => {
+            // As the actuator's own main does, before any thread starts.
+            splitproxy_actuator::malloc::limit_arenas();
             splitproxy_actuator::init_logging(&args.log_format);
             runtime()?.block_on(splitproxy_actuator::run::run((*args).try_into()?))
         }
