@@ -1,9 +1,9 @@
 //! [`NftSocket`]: a NETLINK_NETFILTER socket that commits a [`Batch`] as one transaction.
 //!
-//! The whole batch goes out in one `send`: NFNL_MSG_BATCH_BEGIN, the messages, BATCH_END. The
-//! kernel processes it synchronously inside that call, commits or rolls back, and queues one
-//! acknowledgement per message on our socket. Two limits make naive clients fail on big
-//! batches, and both are lifted here:
+//! The whole batch goes out in one `sendmsg`: NFNL_MSG_BATCH_BEGIN, the messages (from the
+//! batch's own buffer), BATCH_END. The kernel processes it synchronously inside that call,
+//! commits or rolls back, and queues one acknowledgement per message on our socket. Two limits
+//! make naive clients fail on big batches, and both are lifted here:
 //! - the send buffer: a datagram longer than SO_SNDBUF fails (EMSGSIZE); it is raised with
 //!   SO_SNDBUFFORCE (as `nft` does; CAP_NET_ADMIN, which nf_tables needs anyway), falling back
 //!   to SO_SNDBUF, which net.core.wmem_max caps;
