@@ -297,8 +297,8 @@ impl Batch {
         self.next_set_id = 0;
     }
 
-    /// The encoded messages, in order, without sequence numbers.
-    /// Every message, back to back: what the kernel is sent between the batch markers.
+    /// Every message, back to back: what the kernel is sent between the batch markers. The
+    /// sequence numbers are those of the last [`Batch::stamp_sequence`] (0 before it).
     pub(crate) fn bytes(&self) -> &[u8] {
         self.buf.bytes()
     }
@@ -311,6 +311,7 @@ impl Batch {
         }
     }
 
+    /// The encoded messages, in order.
     #[cfg(test)]
     pub(crate) fn messages(&self) -> impl Iterator<Item = &[u8]> {
         self.msgs.iter().map(|m| &self.buf.bytes()[m.bytes.clone()])

@@ -108,6 +108,15 @@ impl Scrape {
         found.then_some(total)
     }
 
+    /// How much the counter `name` (summed over labels) grew since `earlier`; `None` when
+    /// either scrape lacks it. A counter that went down belongs to a restarted process: all of
+    /// it is new.
+    pub fn increase_since(&self, name: &str, earlier: Option<&Scrape>) -> Option<f64> {
+        let now = self.sum(name)?;
+        let before = earlier?.sum(name)?;
+        Some(if now >= before { now - before } else { now })
+    }
+
     /// The largest value of any series of `name`.
     pub fn max(&self, name: &str) -> Option<f64> {
         self.max_where(name, |_| true)
@@ -340,5 +349,15 @@ plain 42
         assert_eq!(d.max_bucket(), Some(0.1));
         assert!((d.mean().unwrap() - 0.05).abs() < 1e-9);
         assert_eq!(Histogram::default().quantile(0.5), None);
+    }
+
+    #[test]
+    fn a_counter_grows_since_an_earlier_scrape_or_restarts() {
+        let before = Scrape::parse("c_total 2.5\n");
+        let after = Scrape::parse("c_total 4\n");
+        assert_eq!(after.increase_since("c_total", Some(&before)), Some(1.5));
+        assert_eq!(before.increase_since("c_total", Some(&after)), Some(2.5));
+        assert_eq!(after.increase_since("c_total", None), None);
+        assert_eq!(after.increase_since("absent", Some(&before)), None);
     }
 }

@@ -263,12 +263,11 @@ impl Bench {
                     .map(|h| h.since(before.and_then(|b| b.histogram(name)).as_ref()))
             };
             if let Some(h) = delta(SYNC) {
-                let on_cpu = after
-                    .sum(SYNC_ON_CPU)
-                    .zip(before.and_then(|b| b.sum(SYNC_ON_CPU)));
-                if let Some((a, b)) = on_cpu.filter(|_| h.count > 0.0) {
+                if let Some(on_cpu) = after.increase_since(SYNC_ON_CPU, before)
+                    && h.count > 0.0
+                {
                     sp.real_apply_on_cpu_mean
-                        .insert(node.clone(), (a - b) / h.count);
+                        .insert(node.clone(), on_cpu / h.count);
                 }
                 sp.real_apply.insert(node.clone(), h.summary());
             }

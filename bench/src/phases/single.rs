@@ -77,11 +77,8 @@ pub async fn endpoint_flip(b: &mut Bench) -> anyhow::Result<(Phase, SingleChange
             match d {
                 Some(d) if d.count == 1.0 => {
                     real_apply.record(d.sum);
-                    let on_cpu = after
-                        .sum(SYNC_ON_CPU)
-                        .zip(before.as_ref().and_then(|b| b.sum(SYNC_ON_CPU)));
-                    if let Some((after, before)) = on_cpu {
-                        real_apply_on_cpu.record(after - before);
+                    if let Some(on_cpu) = after.increase_since(SYNC_ON_CPU, before.as_ref()) {
+                        real_apply_on_cpu.record(on_cpu);
                     }
                 }
                 _ => out.real_apply_inexact += 1,
