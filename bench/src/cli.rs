@@ -158,6 +158,10 @@ pub struct ScaleArgs {
     /// Services a second, 100 at its defaults).
     #[arg(long, default_value_t = 100)]
     pub churn_batch: usize,
+    /// Part sizes (elements per update part) the snapshot's compression is weighed at, each at
+    /// several zstd levels (the brain's `--update-part-elements` is 1,024).
+    #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
+    pub compression_part_elements: Vec<usize>,
 }
 
 impl ScaleArgs {
@@ -171,10 +175,11 @@ impl ScaleArgs {
             || self.endpoint_changes == 0
             || self.churn_publications == 0
             || self.churn_batch == 0
+            || self.compression_part_elements.contains(&0)
         {
             bail!(
-                "--service-changes, --endpoint-changes, --churn-publications and --churn-batch \
-                 must be positive"
+                "--service-changes, --endpoint-changes, --churn-publications, --churn-batch and \
+                 --compression-part-elements must be positive"
             );
         }
         Ok(())

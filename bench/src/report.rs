@@ -1114,6 +1114,18 @@ fn failover_section(w: &mut String, r: &BenchResult) {
         ms(f.back_in_sync_seconds)
     );
     let _ = writeln!(w, "| per moved node | {} |", dist_cell(&f.back_in_sync));
+    let _ = writeln!(
+        w,
+        "| every moved node resumed on another replica (connected, an update of it acked), from \
+         the kill | {} |",
+        ms(f.resumed_seconds)
+    );
+    let _ = writeln!(w, "| per moved node | {} |", dist_cell(&f.resumed));
+    let _ = writeln!(
+        w,
+        "| the last churn write, from the kill | {} |",
+        ms(f.last_write_after_kill_seconds)
+    );
     if f.not_back > 0 {
         let _ = writeln!(w, "| moved nodes never back | {} |", f.not_back);
     }
@@ -1404,9 +1416,15 @@ fn why(r: &BenchResult, figure: &str) -> String {
         if let Some(f) = &r.failover {
             return format!(
                 "Per moved node: {}; nodes spread their reconnects over up to a second after a \
-                 healthy stream breaks (the actuator's pacing, which the virtual nodes mirror); \
+                 healthy stream breaks (the actuator's pacing, which the virtual nodes mirror). \
+                 Every moved node had resumed on a survivor (connected, one of its updates acked) \
+                 after {} (per node {}); in sync means holding the newest publication, which \
+                 under churn waits for the fan-out of the last write, {} after the kill. \
                  {} snapshots received, {} sent by the survivors.",
                 dist_cell(&f.back_in_sync),
+                ms(f.resumed_seconds),
+                dist_cell(&f.resumed),
+                ms(f.last_write_after_kill_seconds),
                 f.snapshots_received as f64 + f.real_snapshots_applied,
                 num(f.snapshots_sent)
             );

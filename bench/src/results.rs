@@ -309,6 +309,18 @@ pub struct Failover {
     /// The same per moved node.
     pub back_in_sync: Stats,
     pub not_back: usize,
+    /// From the kill until every moved node was connected to another replica and had acked
+    /// one of its updates (or was found current there): resumed, however far the fan-out then
+    /// lags behind the newest publication, as it does for every node under churn.
+    #[serde(default)]
+    pub resumed_seconds: Option<f64>,
+    /// The same per moved node.
+    #[serde(default)]
+    pub resumed: Stats,
+    /// The last churn write's trigger time, from the kill: no node is in sync before the
+    /// fan-out of that write.
+    #[serde(default)]
+    pub last_write_after_kill_seconds: Option<f64>,
     /// Network programming latency of the moved virtual nodes over the phase.
     pub npl_moved: Stats,
     /// The moved real actuators' NPL histograms over the phase.

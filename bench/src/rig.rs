@@ -79,6 +79,20 @@ impl View {
             .collect()
     }
 
+    /// The nodes connected to some replica that answered and holding a state it confirmed:
+    /// they acked one of its updates, or it found what they presented current (resumed by
+    /// content with nothing published since). A node moved to another replica is resumed once
+    /// here, however far the fan-out lags behind the newest publication.
+    pub fn resumed_nodes(&self) -> std::collections::HashSet<&str> {
+        self.replicas
+            .iter()
+            .flatten()
+            .flat_map(|r| r.nodes.iter())
+            .filter(|n| n.connected && (n.acked_generation > 0 || n.in_sync))
+            .map(|n| n.node.as_str())
+            .collect()
+    }
+
     /// The nodes each replica serves (connected), by replica.
     pub fn connected(&self) -> Vec<std::collections::BTreeSet<String>> {
         self.replicas

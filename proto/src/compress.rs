@@ -43,10 +43,15 @@ pub enum CompressError {
 /// `encoded` (fields of an `Update`) as an `Update` carrying them compressed, when that is
 /// at most 3/4 of the size; `None` when it is small or does not compress.
 pub fn compress_part(encoded: &[u8]) -> Option<Bytes> {
+    compress_part_at(encoded, LEVEL)
+}
+
+/// [`compress_part`] at another zstd level (the scale benchmark weighs the levels).
+pub fn compress_part_at(encoded: &[u8], level: i32) -> Option<Bytes> {
     if encoded.len() < MIN_COMPRESSED_PART {
         return None;
     }
-    let compressed = zstd::bulk::compress(encoded, LEVEL).ok()?;
+    let compressed = zstd::bulk::compress(encoded, level).ok()?;
     if compressed.len() * 4 > encoded.len() * 3 {
         return None;
     }

@@ -89,9 +89,10 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
     let began = Instant::now();
     let mut last = SystemTime::now();
     let mut killed: Option<Instant> = None;
+    let mut killed_wall = SystemTime::now();
     let mut fleet_at_kill = Vec::new();
     let mut real_at_kill: Vec<Option<Scrape>> = Vec::new();
-    let mut back: HashMap<String, f64> = HashMap::new();
+    let mut back = Seen::default();
     let mut failed_ticks = 0;
     for tick in 0..seconds {
         interval.tick().await;
@@ -107,6 +108,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
                 .collect();
             b.rig.kill_brain(victim)?;
             killed = Some(Instant::now());
+            killed_wall = SystemTime::now();
             out.killed_at_seconds = began.elapsed().as_secs_f64();
             b.watched.remove(&Rig::brain_role(victim, n));
             println!("[bench]   brain-{victim} killed (SIGKILL)");
@@ -128,7 +130,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
             let next = churner.burst_at(tick_start, burst + 1);
             if let Some(k) = killed {
                 let until = next.min(tick_start + Duration::from_millis(900));
-                while Instant::now() < until && back.len() < moved.len() {
+                while Instant::now() < until && !back.all(&moved) {
                     look_for_moved(b, &moved, k, &mut back).await;
                     tokio::time::sleep(POLL).await;
                 }
@@ -146,15 +148,25 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
     // Every moved node back, bounded.
     if let Some(k) = killed {
         let deadline = Instant::now() + b.args.phase_timeout();
-        while back.len() < moved.len() && Instant::now() < deadline {
+        while !back.all(&moved) && Instant::now() < deadline {
             look_for_moved(b, &moved, k, &mut back).await;
             tokio::time::sleep(POLL).await;
         }
     }
     b.wait_splitproxy(&mut run, last).await;
-    out.not_back = moved.len() - back.len();
+    if killed.is_some() {
+        out.last_write_after_kill_seconds = Some(
+            last.duration_since(killed_wall)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        );
+    }
+    out.not_back = moved.len() - back.in_sync.len();
+    if moved.len() == back.resumed.len() {
+        out.resumed_seconds = back.resumed.values().copied().reduce(f64::max);
+    }
+    out.resumed = summary(back.resumed.values());
     if out.not_back == 0 {
-        out.back_in_sync_seconds = back.values().copied().reduce(f64::max);
+        out.back_in_sync_seconds = back.in_sync.values().copied().reduce(f64::max);
     } else {
         out.notes.push(format!(
             "{} of {} moved nodes were not in sync on another replica within {:?}",
@@ -163,11 +175,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
             b.args.phase_timeout()
         ));
     }
-    let mut hist = LatencyHist::default();
-    for v in back.values() {
-        hist.record(*v);
-    }
-    out.back_in_sync = hist.summary();
+    out.back_in_sync = summary(back.in_sync.values());
 
     // What the moved virtual nodes received after the kill.
     if let Some(f) = &b.rig.fleet {
@@ -255,12 +263,16 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
         tokio::time::sleep(POLL).await;
     }
     println!(
-        "[bench]   failover: {} moved nodes back in sync after {} (p50 {}); {} bytes per moved \
-         node against a {} byte snapshot; {} snapshots, {} deltas; resumptions {:?}; TLS \
-         handshakes {:?}; connections {}",
+        "[bench]   failover: {} moved nodes resumed after {} (p50 {}), back in sync after {} \
+         (p50 {}; the last write {} after the kill); {} bytes per moved node against a {} byte \
+         snapshot; {} snapshots, {} deltas; resumptions {:?}; TLS handshakes {:?}; connections \
+         {}",
         out.moved_nodes,
+        secs(out.resumed_seconds),
+        secs(out.resumed.p50),
         secs(out.back_in_sync_seconds),
         secs(out.back_in_sync.p50),
+        secs(out.last_write_after_kill_seconds),
         out.moved_bytes_per_node
             .map_or("-".into(), |v| format!("{v:.0}")),
         out.full_snapshot_bytes_per_node
@@ -283,19 +295,42 @@ fn secs(v: Option<f64>) -> String {
     v.map_or("-".into(), |v| format!("{v:.2} s"))
 }
 
-/// Records, for every moved node newly seen connected and in sync on a surviving replica,
-/// the time since the kill.
-async fn look_for_moved(
-    b: &Bench,
-    moved: &BTreeSet<String>,
-    killed: Instant,
-    back: &mut HashMap<String, f64>,
-) {
+/// The distribution of times, seconds.
+fn summary<'a>(times: impl Iterator<Item = &'a f64>) -> crate::measure::stats::Stats {
+    let mut hist = LatencyHist::default();
+    for v in times {
+        hist.record(*v);
+    }
+    hist.summary()
+}
+
+/// When each moved node was first seen on a surviving replica, from the kill: resumed there
+/// (connected, holding a state it confirmed) and in sync (holding its newest publication).
+#[derive(Default)]
+struct Seen {
+    resumed: HashMap<String, f64>,
+    in_sync: HashMap<String, f64>,
+}
+
+impl Seen {
+    fn all(&self, moved: &BTreeSet<String>) -> bool {
+        self.resumed.len() >= moved.len() && self.in_sync.len() >= moved.len()
+    }
+}
+
+/// Records, for every moved node newly seen resumed or in sync on a surviving replica, the
+/// time since the kill.
+async fn look_for_moved(b: &Bench, moved: &BTreeSet<String>, killed: Instant, seen: &mut Seen) {
     let view = b.rig.view().await;
     let at = killed.elapsed().as_secs_f64();
-    for node in view.in_sync_nodes() {
-        if moved.contains(node) && !back.contains_key(node) {
-            back.insert(node.to_string(), at);
+    for (nodes, into) in [
+        (view.resumed_nodes(), &mut seen.resumed),
+        (view.in_sync_nodes(), &mut seen.in_sync),
+    ] {
+        for node in nodes {
+            if moved.contains(node) && !into.contains_key(node) {
+                into.insert(node.to_string(), at);
+            }
         }
     }
 }

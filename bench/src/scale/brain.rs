@@ -90,6 +90,11 @@ impl Brain {
         );
     }
 
+    /// The shared ruleset as it stands: what every node's snapshot carries.
+    pub fn model(&self) -> &Model {
+        self.desired.model()
+    }
+
     /// Every node's overlay (without Nodes, there are none).
     pub fn build_overlays(&mut self) {
         if self.nodes == 0 {

@@ -10,6 +10,7 @@
 //! be trusted), one Service added and one deleted. It prints one line per figure, after the
 //! command that produced them. Needs root (the namespace).
 pub mod brain;
+pub mod compression;
 pub mod heap;
 pub mod kernel;
 pub mod samples;
@@ -39,6 +40,7 @@ pub fn run(args: &ScaleArgs) -> anyhow::Result<()> {
     let mut brain = brain::Brain::load(&w)?;
     brain.rebuild(&w);
     brain.build_overlays();
+    compression::report(brain.model(), &args.compression_part_elements, args.nodes)?;
     brain.service_changes(&mut w, args.service_changes)?;
     brain.churn_publications(&mut w, args.churn_batch, args.churn_publications)?;
     let updates = brain.updates(&mut w, args.endpoint_changes)?;
