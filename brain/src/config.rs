@@ -180,9 +180,12 @@ pub struct Args {
     /// (README, "Scale").
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
-    /// Experimental: after --min-publish-interval-ms, a publication also waits (up to 1 s) until
-    /// no more than this share (0 to 1) of the nodes has yet to ack the last one. 1: no wait.
-    #[arg(long, default_value_t = 1.0, value_parser = crate::pacing::parse_share)]
+    /// After --min-publish-interval-ms, a publication also waits (up to 1 s after the last one)
+    /// until no more than this share (0 to 1) of the nodes has yet to ack the last one, so that
+    /// an overloaded fan-out is not handed the next publication before it reached most nodes
+    /// (README, "Scale": at 10,000 nodes churn's p99 fell from 4.5-6.7 s to 1.5-1.7 s). A change
+    /// after a quiet period is not held. 1: no wait.
+    #[arg(long, default_value_t = crate::pacing::DEFAULT_WHEN_UNSETTLED, value_parser = crate::pacing::parse_share)]
     pub publish_when_unsettled: f64,
     /// Certificate Organization (group) whose members are nodes: they may open `Sync` for the
     /// node their common name or DNS SAN names, and read only that node's state.
@@ -460,7 +463,7 @@ impl Default for Tuning {
             api_staleness_bound: Duration::from_millis(DEFAULT_API_STALENESS_BOUND_MS),
             api_probe_interval: Duration::from_millis(DEFAULT_API_PROBE_INTERVAL_MS),
             worker_threads: 0,
-            publish_when_unsettled: 1.0,
+            publish_when_unsettled: crate::pacing::DEFAULT_WHEN_UNSETTLED,
         }
     }
 }
@@ -954,6 +957,7 @@ mod tests {
             "--update-part-elements=7",
             "--min-publish-interval-ms=1500",
             "--worker-threads=3",
+            "--publish-when-unsettled=1",
             "--node-group=n",
             "--operator-group=o",
             "--token-audience=aud",
