@@ -191,6 +191,11 @@ fn the_schema_and_the_checks_refuse_what_cannot_work() {
             "grpcPort",
         ),
         (
+            "a share of the nodes above one",
+            vec!["--set", "brain.publishWhenUnsettled=1.5"],
+            "publishWhenUnsettled",
+        ),
+        (
             "an unknown mode",
             vec!["--set", "kubeProxy.mode=instead"],
             "/kubeProxy/mode",
