@@ -70,13 +70,7 @@ impl View {
 
     /// The nodes connected and in sync on some replica that answered.
     pub fn in_sync_nodes(&self) -> std::collections::HashSet<&str> {
-        self.replicas
-            .iter()
-            .flatten()
-            .flat_map(|r| r.nodes.iter())
-            .filter(|n| n.connected && n.in_sync)
-            .map(|n| n.node.as_str())
-            .collect()
+        self.nodes_where(|n| n.connected && n.in_sync)
     }
 
     /// The nodes connected to some replica that answered and holding a state it confirmed:
@@ -84,11 +78,19 @@ impl View {
     /// content with nothing published since). A node moved to another replica is resumed once
     /// here, however far the fan-out lags behind the newest publication.
     pub fn resumed_nodes(&self) -> std::collections::HashSet<&str> {
+        self.nodes_where(|n| n.connected && (n.acked_generation > 0 || n.in_sync))
+    }
+
+    /// The nodes some replica that answered reports as `keep` says.
+    fn nodes_where(
+        &self,
+        keep: impl Fn(&splitproxy_proto::v1::NodeStatus) -> bool,
+    ) -> std::collections::HashSet<&str> {
         self.replicas
             .iter()
             .flatten()
             .flat_map(|r| r.nodes.iter())
-            .filter(|n| n.connected && (n.acked_generation > 0 || n.in_sync))
+            .filter(|n| keep(n))
             .map(|n| n.node.as_str())
             .collect()
     }

@@ -89,7 +89,8 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
     let began = Instant::now();
     let mut last = SystemTime::now();
     let mut killed: Option<Instant> = None;
-    let mut killed_wall = SystemTime::now();
+    // The kill on the clock the trigger times are on, for the last write's distance from it.
+    let mut killed_wall: Option<SystemTime> = None;
     let mut fleet_at_kill = Vec::new();
     let mut real_at_kill: Vec<Option<Scrape>> = Vec::new();
     let mut back = Seen::default();
@@ -108,7 +109,7 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
                 .collect();
             b.rig.kill_brain(victim)?;
             killed = Some(Instant::now());
-            killed_wall = SystemTime::now();
+            killed_wall = Some(SystemTime::now());
             out.killed_at_seconds = began.elapsed().as_secs_f64();
             b.watched.remove(&Rig::brain_role(victim, n));
             println!("[bench]   brain-{victim} killed (SIGKILL)");
@@ -154,12 +155,8 @@ pub async fn failover(b: &mut Bench) -> anyhow::Result<(Phase, Failover)> {
         }
     }
     b.wait_splitproxy(&mut run, last).await;
-    if killed.is_some() {
-        out.last_write_after_kill_seconds = Some(
-            last.duration_since(killed_wall)
-                .map_or(0.0, |d| d.as_secs_f64()),
-        );
-    }
+    out.last_write_after_kill_seconds =
+        killed_wall.map(|k| last.duration_since(k).map_or(0.0, |d| d.as_secs_f64()));
     out.not_back = moved.len() - back.in_sync.len();
     if moved.len() == back.resumed.len() {
         out.resumed_seconds = back.resumed.values().copied().reduce(f64::max);
