@@ -38,6 +38,9 @@ pub enum Command {
     /// Run an actuator (same as splitproxy-actuator).
     #[command(hide = true)]
     Actuator(Box<splitproxy_actuator::config::Args>),
+    /// One side of the fan-out floor, in a process of its own (the benchmark runs it).
+    #[command(hide = true)]
+    Floor(crate::floor::FloorArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]

@@ -22,6 +22,9 @@ use mio::net::TcpStream as MioStream;
 use mio::{Events, Interest, Poll, Token};
 use serde::{Deserialize, Serialize};
 
+mod apart;
+pub use apart::{FloorArgs, command, measure_apart};
+
 /// What the floor measurement found.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Floor {
@@ -41,12 +44,53 @@ pub struct Floor {
 /// Longest a measurement may take before it is abandoned.
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// Runs `rounds` rounds to `nodes` connections; blocking (run it off the async runtime).
+/// Runs `rounds` rounds to `nodes` connections, the nodes' side on a thread of this process;
+/// blocking (run it off the async runtime). Both sides then share this process's open-file
+/// limit: [`measure_apart`] runs them in processes of their own.
 pub fn measure(
     nodes: usize,
     update_bytes: usize,
     ack_bytes: usize,
     rounds: usize,
+) -> anyhow::Result<Floor> {
+    measure_with(nodes, update_bytes, ack_bytes, rounds, |addr, started| {
+        let side = std::thread::Builder::new()
+            .name("floor-nodes".into())
+            .spawn(move || nodes_side(addr, nodes, update_bytes, ack_bytes, rounds, started))?;
+        Ok(Box::new(side))
+    })
+}
+
+/// The nodes' side while the sending side runs: a thread, or a process ([`apart`]).
+trait NodesSide {
+    /// Whether it has ended: it then stopped connecting, or failed.
+    fn ended(&mut self) -> bool;
+    /// Its CPU seconds from the first update on, once the sending side is done (its
+    /// connections are closed then, and not before).
+    fn finish(self: Box<Self>) -> anyhow::Result<f64>;
+}
+
+impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<MioStream>)>> {
+    fn ended(&mut self) -> bool {
+        self.is_finished()
+    }
+
+    fn finish(self: Box<Self>) -> anyhow::Result<f64> {
+        let (cpu, _conns) = self
+            .join()
+            .map_err(|_| anyhow::anyhow!("the nodes' thread panicked"))??;
+        Ok(cpu)
+    }
+}
+
+/// The measurement, with the nodes' side started by `start` (given the sending side's address
+/// and the measurement's start, for its time limit).
+fn measure_with(
+    nodes: usize,
+    update_bytes: usize,
+    ack_bytes: usize,
+    rounds: usize,
+    start: impl FnOnce(std::net::SocketAddr, Instant) -> anyhow::Result<Box<dyn NodesSide>>,
 ) -> anyhow::Result<Floor> {
     if nodes == 0 || rounds == 0 || update_bytes == 0 || ack_bytes == 0 {
         bail!("nothing to measure");
@@ -54,14 +98,11 @@ pub fn measure(
     let listener = TcpListener::bind("127.0.0.1:0").context("binding on loopback")?;
     let addr = listener.local_addr()?;
     let started = Instant::now();
-    let node_side = std::thread::Builder::new()
-        .name("floor-nodes".into())
-        .spawn(move || nodes_side(addr, nodes, update_bytes, ack_bytes, rounds, started))?;
+    let mut node_side = start(addr, started).context("starting the nodes' side")?;
     listener.set_nonblocking(true)?;
-    let gone = || node_side.is_finished();
     let sending = sending_side(
         &listener,
-        &gone,
+        &mut || node_side.ended(),
         nodes,
         update_bytes,
         ack_bytes,
@@ -69,13 +110,11 @@ pub fn measure(
         started,
     );
     drop(listener);
-    // Joined after the sending side dropped its connections: a failed side ends the other's
+    // Finished after the sending side dropped its connections: a failed side ends the other's
     // loop (it reads a closed connection) instead of leaving it waiting.
-    let receiving = node_side
-        .join()
-        .map_err(|_| anyhow::anyhow!("the nodes' thread panicked"))?;
+    let receiving = node_side.finish();
     let ((brain_cpu, total, worst), node_cpu) = match (sending, receiving) {
-        (Ok(s), Ok((r, _conns))) => (s, r),
+        (Ok(s), Ok(r)) => (s, r),
         (Err(s), Ok(_)) => return Err(s.context("the sending side")),
         (Ok(_), Err(r)) => return Err(r.context("the nodes' side")),
         (Err(s), Err(r)) => bail!("the sending side: {s:#}; the nodes' side: {r:#}"),
@@ -97,7 +136,7 @@ pub fn measure(
 /// total and worst wall time.
 fn sending_side(
     listener: &TcpListener,
-    nodes_gone: &dyn Fn() -> bool,
+    nodes_gone: &mut dyn FnMut() -> bool,
     nodes: usize,
     update_bytes: usize,
     ack_bytes: usize,

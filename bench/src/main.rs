@@ -38,6 +38,7 @@ fn main() -> anyhow::Result<()> {
             splitproxy_actuator::init_logging(&args.log_format);
             runtime()?.block_on(splitproxy_actuator::run::run((*args).try_into()?))
         }
+        Some(Command::Floor(args)) => splitproxy_bench::floor::command(&args),
         None => {
             bench_logging();
             runtime()?.block_on(async {

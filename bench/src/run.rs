@@ -232,7 +232,8 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
 }
 
 /// The fan-out floor ([`crate::floor`]) to as many nodes as the fleet has, with updates as long
-/// as the churn phase's: run while the brain and the fleet are idle between phases.
+/// as the churn phase's: run while the brain and the fleet are idle between phases, in
+/// processes of its own (the fleet's streams hold as many descriptors as the floor's).
 async fn fanout_floor(result: &BenchResult) -> anyhow::Result<crate::floor::Floor> {
     let churn = crate::report::phase(result, "churn")
         .context("no churn phase to take the update size from")?;
@@ -243,7 +244,7 @@ async fn fanout_floor(result: &BenchResult) -> anyhow::Result<crate::floor::Floo
     let nodes = result.config.nodes;
     println!("[bench] fan-out floor: {nodes} loopback TCP streams, {update_bytes}-byte updates");
     let f = tokio::task::spawn_blocking(move || {
-        crate::floor::measure(nodes, update_bytes, FLOOR_ACK_BYTES, FLOOR_ROUNDS)
+        crate::floor::measure_apart(nodes, update_bytes, FLOOR_ACK_BYTES, FLOOR_ROUNDS)
     })
     .await??;
     println!(
