@@ -20,7 +20,6 @@ use splitproxy_brain::metrics::Metrics;
 use splitproxy_brain::objects::{self, NodeInfo, ObjectKey};
 use splitproxy_brain::overlay::Overlays;
 use splitproxy_brain::rules::RulesConfig;
-use splitproxy_proto::model::Model;
 
 /// Counts live heap bytes, which RSS blurs with the allocator's retained pages.
 struct Counting;
@@ -83,7 +82,7 @@ fn publication(
     version: u64,
     d: &SharedRuleset,
     overlays: &mut Overlays,
-    published: &mut imbl::HashMap<String, Arc<Model>>,
+    published: &mut splitproxy_brain::overlay::NodeOverlays,
 ) -> Arc<Publication> {
     for (node, m) in overlays.changed_models() {
         match m {
@@ -143,7 +142,7 @@ fn main() {
     d.rebuild(&index);
     overlays.rebuild(&index, &mut d);
     d.prune();
-    let mut published = imbl::HashMap::new();
+    let mut published = splitproxy_brain::overlay::NodeOverlays::default();
     let history = History::default();
     let mut version = 1;
     history.record(publication(version, &d, &mut overlays, &mut published));

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use crate::api_state::ApiState;
 use crate::history::History;
 use crate::metrics::{Metrics, Resumption};
+use crate::overlay::NodeOverlays;
 
 /// Changes remembered for trigger times and object names; a node further behind than this gets
 /// the state without the older trigger times.
@@ -48,7 +49,7 @@ pub struct Publication {
     pub shared: Arc<Model>,
     /// Each node's own elements on top of the shared model (see [`crate::overlay`]); persistent,
     /// so a publication clones it in O(1).
-    pub overlays: imbl::HashMap<String, Arc<Model>>,
+    pub overlays: NodeOverlays,
     /// The API state it was computed from (crate::api_state).
     pub api: ApiState,
 }
@@ -387,7 +388,7 @@ impl Fanout {
     pub fn publish(
         &self,
         shared: Arc<Model>,
-        overlays: imbl::HashMap<String, Arc<Model>>,
+        overlays: NodeOverlays,
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
     ) {
@@ -407,7 +408,7 @@ impl Fanout {
     pub fn publish_traced(
         &self,
         shared: Arc<Model>,
-        overlays: imbl::HashMap<String, Arc<Model>>,
+        overlays: NodeOverlays,
         trigger_times: Vec<prost_types::Timestamp>,
         objects: Vec<String>,
         trace: Option<opentelemetry::trace::SpanContext>,

@@ -315,7 +315,7 @@ mod tests {
         let m = built([1]);
         let n1 = Arc::new(built([100]));
         let n2 = Arc::new(built([200]));
-        let overlays = |n1: &Arc<Model>, n2: &Arc<Model>| -> imbl::HashMap<String, Arc<Model>> {
+        let overlays = |n1: &Arc<Model>, n2: &Arc<Model>| -> crate::overlay::NodeOverlays {
             [
                 ("n1".to_string(), n1.clone()),
                 ("n2".to_string(), n2.clone()),

@@ -27,6 +27,17 @@ use crate::rules::RulesConfig;
 use crate::rules::contribution::{self, Contribution, ServiceEndpoints};
 use crate::rules::sets::DynSet;
 
+/// Every node's overlay, by node name. Persistent, so a publication clones it in O(1). Every
+/// update the brain sends looks its node up here, thousands per publication: in a churn profile
+/// the lookup was 3.7 % of the brain's CPU, of it 0.55 % SipHash (imbl's default hasher), which
+/// foldhash removes. The rest is the walk through the trie, mostly cache misses.
+pub type NodeOverlays = imbl::GenericHashMap<
+    String,
+    Arc<Model>,
+    foldhash::quality::RandomState,
+    imbl::shared_ptr::DefaultSharedPtr,
+>;
+
 /// What one Service (or the node's facts) puts in a node's overlay, per family.
 type Share = PerFamily<Kept>;
 

@@ -91,7 +91,7 @@ fn fanout() -> Arc<Fanout> {
     Fanout::new(Arc::new(Metrics::default()), 4, 1024)
 }
 
-type Overlays = imbl::HashMap<String, Arc<Model>>;
+type Overlays = crate::overlay::NodeOverlays;
 
 fn overlays(nodes: &[(&str, u32)]) -> Overlays {
     nodes

@@ -18,7 +18,6 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::watcher::Event;
-use splitproxy_proto::model::Model;
 
 use super::Index;
 use super::listing::Listing;
@@ -27,7 +26,7 @@ use crate::desired::SharedRuleset;
 use crate::fanout::Fanout;
 use crate::metrics::Metrics;
 use crate::objects::{self, ObjectKey};
-use crate::overlay::Overlays;
+use crate::overlay::{NodeOverlays, Overlays};
 use crate::rules::RulesConfig;
 use crate::trace::{self, Change};
 
@@ -63,7 +62,7 @@ pub struct Indexer {
     /// Each node's own elements, maintained incrementally.
     overlays: Overlays,
     /// The overlays as last published.
-    published_overlays: imbl::HashMap<String, Arc<Model>>,
+    published_overlays: NodeOverlays,
     /// Services to recompute at the next publication.
     dirty: HashSet<ObjectKey>,
     /// Nodes whose facts changed since the last publication.
@@ -110,7 +109,7 @@ impl Indexer {
             flag_cidrs: config.service_cidrs.clone(),
             shared: None,
             overlays: Overlays::new(config.clone()),
-            published_overlays: imbl::HashMap::new(),
+            published_overlays: NodeOverlays::default(),
             dirty: HashSet::new(),
             dirty_nodes: HashSet::new(),
             rebuild: false,
@@ -373,7 +372,7 @@ impl Indexer {
         self.config.service_cidrs = cidrs;
         self.shared = None;
         self.overlays = Overlays::new(self.config.clone());
-        self.published_overlays = imbl::HashMap::new();
+        self.published_overlays = NodeOverlays::default();
         self.rebuild = true;
     }
 
