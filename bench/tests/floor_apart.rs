@@ -2,16 +2,23 @@
 //! could not hold both sides: under an open-file limit of 512, 300 streams (600 descriptors)
 //! fit only with each side in its own process, as 10,000 nodes fit under this machine's hard
 //! limit of 20,000 only that way. Loopback only, bounded by the floor's own time limit.
-use std::process::Command;
+use std::process::{Command, Output};
+
+/// `splitproxy-bench floor` to 300 streams, 3 rounds, under an open-file limit of `limit`.
+fn floor_under(limit: u32) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            r#"ulimit -n {limit} && exec "$0" floor --nodes 300 --update-bytes 3000 --ack-bytes 48 --rounds 3"#
+        ))
+        .arg(env!("CARGO_BIN_EXE_splitproxy-bench"))
+        .output()
+        .unwrap()
+}
 
 #[test]
 fn each_side_of_the_floor_holds_only_its_own_streams() {
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(r#"ulimit -n 512 && exec "$0" floor --nodes 300 --update-bytes 3000 --ack-bytes 48 --rounds 3"#)
-        .arg(env!("CARGO_BIN_EXE_splitproxy-bench"))
-        .output()
-        .unwrap();
+    let out = floor_under(512);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}: {stderr}", out.status);
     let floor: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -36,12 +43,7 @@ fn each_side_of_the_floor_holds_only_its_own_streams() {
 #[test]
 fn a_side_that_cannot_open_its_streams_fails_the_measurement_with_the_reason() {
     // 64 descriptors cannot hold 300 streams on either side.
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(r#"ulimit -n 64 && exec "$0" floor --nodes 300 --update-bytes 3000 --ack-bytes 48 --rounds 3"#)
-        .arg(env!("CARGO_BIN_EXE_splitproxy-bench"))
-        .output()
-        .unwrap();
+    let out = floor_under(64);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("Too many open files"), "{stderr}");
