@@ -6,28 +6,33 @@
 //! and answers with an ack. Updates are as long as the brain's were in the churn phase, acks as
 //! long as a node's ack with its framing. No TLS, no HTTP/2, no protobuf, no allocation per
 //! message, one `epoll` loop each side: any design that keeps a stream per node and an ack per
-//! update pays at least this on this machine, whatever its user space does. On loopback the
+//! update pays at least this on this machine, whatever its user space does. Measured again with
+//! TLS on every stream ([`link`]), it also says how much of the way to splitproxy TLS is. On loopback the
 //! sender's `write` also runs the receiver's TCP processing, as it does for the brain and the
 //! virtual fleet, so the comparison is like for like.
 //!
 //! The brain's CPU per node-update and a single change's fan-out to every node are reported
 //! against it (`report.rs`), as kube-proxy's figures are: a ratio to a peer measured in the
 //! same run, not to a number from another day.
-use std::io::{ErrorKind, Read, Write};
+use std::io::ErrorKind;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use mio::net::TcpStream as MioStream;
 use mio::{Events, Interest, Poll, Token};
 use serde::{Deserialize, Serialize};
 
 mod apart;
+mod link;
 pub use apart::{FloorArgs, command, measure_apart};
+use link::{Link, Wire};
 
 /// What the floor measurement found.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Floor {
+    /// Whether every stream carried TLS.
+    #[serde(default)]
+    pub tls: bool,
     pub nodes: usize,
     pub rounds: usize,
     pub update_bytes: usize,
@@ -44,22 +49,33 @@ pub struct Floor {
 /// Longest a measurement may take before it is abandoned.
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// Runs `rounds` rounds to `nodes` connections, the nodes' side on a thread of this process;
-/// blocking (run it off the async runtime). Both sides then share this process's open-file
-/// limit: [`measure_apart`] runs them in processes of their own.
+/// Runs `rounds` rounds to `nodes` connections, over TLS if `tls`, the nodes' side on a thread
+/// of this process; blocking (run it off the async runtime). Both sides then share this
+/// process's open-file limit: [`measure_apart`] runs them in processes of their own.
 pub fn measure(
     nodes: usize,
     update_bytes: usize,
     ack_bytes: usize,
     rounds: usize,
+    tls: bool,
 ) -> anyhow::Result<Floor> {
-    measure_with(nodes, update_bytes, ack_bytes, rounds, |addr, started| {
+    let (wire, theirs) = if tls {
+        let (wire, der) = link::tls_server()?;
+        (wire, link::tls_client(&der)?)
+    } else {
+        (Wire::Tcp, Wire::Tcp)
+    };
+    let sizes = (nodes, update_bytes, ack_bytes, rounds);
+    measure_with(sizes, &wire, |addr, started| {
         let side = std::thread::Builder::new()
             .name("floor-nodes".into())
-            .spawn(move || nodes_side(addr, nodes, update_bytes, ack_bytes, rounds, started))?;
+            .spawn(move || nodes_side(addr, &theirs, sizes, started))?;
         Ok(Box::new(side))
     })
 }
+
+/// Nodes, update bytes, ack bytes, rounds.
+type Sizes = (usize, usize, usize, usize);
 
 /// The nodes' side while the sending side runs: a thread, or a process ([`apart`]).
 trait NodesSide {
@@ -70,7 +86,7 @@ trait NodesSide {
     fn finish(self: Box<Self>) -> anyhow::Result<f64>;
 }
 
-impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<MioStream>)>> {
+impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<Link>)>> {
     fn ended(&mut self) -> bool {
         self.is_finished()
     }
@@ -83,13 +99,11 @@ impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<MioStream>)>
     }
 }
 
-/// The measurement, with the nodes' side started by `start` (given the sending side's address
-/// and the measurement's start, for its time limit).
+/// The measurement, the sending side over `wire`, with the nodes' side started by `start`
+/// (given the sending side's address and the measurement's start, for its time limit).
 fn measure_with(
-    nodes: usize,
-    update_bytes: usize,
-    ack_bytes: usize,
-    rounds: usize,
+    (nodes, update_bytes, ack_bytes, rounds): Sizes,
+    wire: &Wire,
     start: impl FnOnce(std::net::SocketAddr, Instant) -> anyhow::Result<Box<dyn NodesSide>>,
 ) -> anyhow::Result<Floor> {
     if nodes == 0 || rounds == 0 || update_bytes == 0 || ack_bytes == 0 {
@@ -102,11 +116,9 @@ fn measure_with(
     listener.set_nonblocking(true)?;
     let sending = sending_side(
         &listener,
+        wire,
         &mut || node_side.ended(),
-        nodes,
-        update_bytes,
-        ack_bytes,
-        rounds,
+        (nodes, update_bytes, ack_bytes, rounds),
         started,
     );
     drop(listener);
@@ -121,6 +133,7 @@ fn measure_with(
     };
     let updates = (nodes * rounds) as f64;
     Ok(Floor {
+        tls: !matches!(wire, Wire::Tcp),
         nodes,
         rounds,
         update_bytes,
@@ -136,18 +149,16 @@ fn measure_with(
 /// total and worst wall time.
 fn sending_side(
     listener: &TcpListener,
+    wire: &Wire,
     nodes_gone: &mut dyn FnMut() -> bool,
-    nodes: usize,
-    update_bytes: usize,
-    ack_bytes: usize,
-    rounds: usize,
+    (nodes, update_bytes, ack_bytes, rounds): Sizes,
     started: Instant,
 ) -> anyhow::Result<(f64, Duration, Duration)> {
     let mut poll = Poll::new()?;
     let mut conns = Vec::with_capacity(nodes);
     while conns.len() < nodes {
         match listener.accept() {
-            Ok((s, _)) => conns.push(register(&poll, s, conns.len())?),
+            Ok((s, _)) => conns.push(register(&poll, s, wire, conns.len(), started)?),
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 if nodes_gone() {
                     bail!("the nodes stopped connecting");
@@ -168,14 +179,14 @@ fn sending_side(
     for _ in 0..rounds {
         let round = Instant::now();
         for c in conns.iter_mut() {
-            write_all(c, &update)?;
+            c.send(&update)?;
         }
         let mut acked = 0_usize;
         let mut pending_bytes = 0_usize;
         while acked < nodes {
             poll_some(&mut poll, &mut events, started)?;
             for ev in events.iter() {
-                let got = read_available(&mut conns[ev.token().0], &mut buf)?;
+                let got = conns[ev.token().0].recv(&mut buf)?;
                 pending_bytes += got;
                 acked += pending_bytes / ack_bytes;
                 pending_bytes %= ack_bytes;
@@ -188,22 +199,21 @@ fn sending_side(
     Ok((thread_cpu() - cpu0, total, worst))
 }
 
-/// The nodes: connect, then answer every whole update with an ack. Returns their CPU seconds
-/// from the first update on, and their connections: closed only once the sending side is done,
-/// which would otherwise read the end of a node's stream while waiting for another's ack.
+/// The nodes: connect over `wire`, then answer every whole update with an ack. Returns their
+/// CPU seconds from the first update on, and their connections: closed only once the sending
+/// side is done, which would otherwise read the end of a node's stream while waiting for
+/// another's ack.
 fn nodes_side(
     addr: std::net::SocketAddr,
-    nodes: usize,
-    update_bytes: usize,
-    ack_bytes: usize,
-    rounds: usize,
+    wire: &Wire,
+    (nodes, update_bytes, ack_bytes, rounds): Sizes,
     started: Instant,
-) -> anyhow::Result<(f64, Vec<MioStream>)> {
+) -> anyhow::Result<(f64, Vec<Link>)> {
     let mut poll = Poll::new()?;
     let mut conns = Vec::with_capacity(nodes);
     for i in 0..nodes {
         let s = TcpStream::connect(addr).context("connecting")?;
-        conns.push(register(&poll, s, i)?);
+        conns.push(register(&poll, s, wire, i, started)?);
     }
     let ack = vec![0xa5_u8; ack_bytes];
     let mut got = vec![0_usize; nodes];
@@ -217,10 +227,10 @@ fn nodes_side(
         cpu0.get_or_insert_with(thread_cpu);
         for ev in events.iter() {
             let i = ev.token().0;
-            got[i] += read_available(&mut conns[i], &mut buf)?;
+            got[i] += conns[i].recv(&mut buf)?;
             while got[i] >= update_bytes {
                 got[i] -= update_bytes;
-                write_all(&mut conns[i], &ack)?;
+                conns[i].send(&ack)?;
                 done += 1;
             }
         }
@@ -228,13 +238,18 @@ fn nodes_side(
     Ok((thread_cpu() - cpu0.unwrap_or(0.0), conns))
 }
 
-fn register(poll: &Poll, s: TcpStream, i: usize) -> anyhow::Result<MioStream> {
-    s.set_nodelay(true)?;
-    s.set_nonblocking(true)?;
-    let mut s = MioStream::from_std(s);
+/// `s` over `wire`, past its handshake, registered for reading as token `i`.
+fn register(
+    poll: &Poll,
+    s: TcpStream,
+    wire: &Wire,
+    i: usize,
+    started: Instant,
+) -> anyhow::Result<Link> {
+    let mut link = Link::open(s, wire, LIMIT.saturating_sub(started.elapsed()))?;
     poll.registry()
-        .register(&mut s, Token(i), Interest::READABLE)?;
-    Ok(s)
+        .register(&mut link.stream, Token(i), Interest::READABLE)?;
+    Ok(link)
 }
 
 fn poll_some(poll: &mut Poll, events: &mut Events, started: Instant) -> anyhow::Result<()> {
@@ -243,40 +258,6 @@ fn poll_some(poll: &mut Poll, events: &mut Events, started: Instant) -> anyhow::
         bail!("the measurement took longer than {LIMIT:?}");
     }
     poll.poll(events, Some(left))?;
-    Ok(())
-}
-
-/// Reads what the socket holds: one `read` when it returns less than the buffer (the socket is
-/// then drained, as tokio assumes too), more only when it filled the buffer.
-fn read_available(s: &mut MioStream, buf: &mut [u8]) -> anyhow::Result<usize> {
-    let mut total = 0;
-    loop {
-        match s.read(buf) {
-            Ok(0) => bail!("a connection closed"),
-            Ok(n) => {
-                total += n;
-                if n < buf.len() {
-                    return Ok(total);
-                }
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(total),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-/// Writes all of `data`; the socket buffers are far larger than one update, so a full buffer
-/// means something is wrong rather than something to wait for.
-fn write_all(s: &mut MioStream, data: &[u8]) -> anyhow::Result<()> {
-    let mut at = 0;
-    while at < data.len() {
-        match s.write(&data[at..]) {
-            Ok(n) => at += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e).context("writing to a loopback socket"),
-        }
-    }
     Ok(())
 }
 
@@ -295,17 +276,19 @@ mod tests {
 
     #[test]
     fn a_small_floor_counts_every_update_and_ack() {
-        let f = measure(20, 3000, 40, 5).unwrap();
-        assert_eq!(
-            (f.nodes, f.rounds, f.update_bytes, f.ack_bytes),
-            (20, 5, 3000, 40)
-        );
-        assert!(f.round_mean_seconds > 0.0 && f.round_max_seconds >= f.round_mean_seconds);
-        assert!(f.brain_cpu_per_update >= 0.0 && f.node_cpu_per_update >= 0.0);
+        for tls in [false, true] {
+            let f = measure(20, 3000, 40, 5, tls).unwrap();
+            assert_eq!(
+                (f.tls, f.nodes, f.rounds, f.update_bytes, f.ack_bytes),
+                (tls, 20, 5, 3000, 40)
+            );
+            assert!(f.round_mean_seconds > 0.0 && f.round_max_seconds >= f.round_mean_seconds);
+            assert!(f.brain_cpu_per_update >= 0.0 && f.node_cpu_per_update >= 0.0);
+        }
     }
 
     #[test]
     fn nothing_to_measure_is_an_error() {
-        assert!(measure(0, 3000, 40, 5).is_err());
+        assert!(measure(0, 3000, 40, 5, false).is_err());
     }
 }

@@ -2,6 +2,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use crate::floor::Floor;
 use crate::measure::prom::HistSummary;
 use crate::measure::stats::Stats;
 use crate::results::{BenchResult, Phase, Target};
@@ -273,9 +274,14 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
         note: match &r.floor {
             Some(f) => format!(
                 "churn phase: CPU seconds of every brain replica / updates they sent; the fan-out floor in the same run \
-                 (bare loopback TCP, no TLS or HTTP/2, see Fan-out floor) is {:.1} µs on the sending side, and this is {}× that",
+                 (bare loopback TCP, no TLS or HTTP/2, see Fan-out floor) is {:.1} µs on the sending side, and this is {}× that{}",
                 f.brain_cpu_per_update * 1e6,
-                fmt_ratio(per_update.map(|v| v / f.brain_cpu_per_update))
+                fmt_ratio(per_update.map(|v| v / f.brain_cpu_per_update)),
+                r.floor_tls.as_ref().map_or(String::new(), |t| format!(
+                    "; over TLS the floor is {:.1} µs, and this is {}× that",
+                    t.brain_cpu_per_update * 1e6,
+                    fmt_ratio(per_update.map(|v| v / t.brain_cpu_per_update))
+                ))
             ),
             None => "churn phase: CPU seconds of every brain replica / updates they sent".into(),
         },
@@ -1203,7 +1209,7 @@ fn failover_section(w: &mut String, r: &BenchResult) {
 }
 
 /// The fan-out floor beside what splitproxy did in the same run: CPU per update and a single
-/// change's fan-out to every node.
+/// change's fan-out to every node; over bare TCP, and over TLS when that was measured too.
 fn floor_section(w: &mut String, r: &BenchResult) {
     let Some(f) = &r.floor else {
         return;
@@ -1213,46 +1219,71 @@ fn floor_section(w: &mut String, r: &BenchResult) {
         "## Fan-out floor\n\nWhat the system calls alone cost for one TCP stream per node and an ack per update, \
          measured in this run (src/floor.rs): {} loopback connections, {} rounds of a {}-byte update to each and a \
          {}-byte ack back, one epoll loop on each side, no TLS, HTTP/2 or protobuf. Any design with a stream per node \
-         and an ack per update pays at least this on this machine.\n",
+         and an ack per update pays at least this on this machine.",
         f.nodes, f.rounds, f.update_bytes, f.ack_bytes
     );
+    let tls = r.floor_tls.as_ref();
+    if tls.is_some() {
+        let _ = writeln!(
+            w,
+            "\nMeasured again with TLS on every stream (rustls with the brain's crypto provider, TLS 1.3, the \
+             handshakes before the rounds): what is left above that is HTTP/2, gRPC's framing and the async runtime."
+        );
+    }
     let churn = phase(r, "churn");
     let brain = churn.and_then(|p| cpu_per_update(p, "brain"));
     let fleet = churn.and_then(|p| cpu_per_update(p, "bench"));
     let single = r.single_changes.as_ref().and_then(|s| s.npl.p50);
+    let us = |v: f64| format!("{:.1} µs", v * 1e6);
     let _ = writeln!(
         w,
-        "| figure | splitproxy | floor | ratio |\n|---|---|---|---|"
+        "\n| figure | splitproxy | floor, TCP | ratio | floor, TLS | ratio |\n|---|---|---|---|---|---|"
     );
-    let us = |v: f64| format!("{:.1} µs", v * 1e6);
-    for (side, ours, floor) in [
-        ("the brain's side (churn)", brain, f.brain_cpu_per_update),
-        (
-            "the nodes' side (churn; splitproxy: the bench process, virtual fleet and writer)",
-            fleet,
-            f.node_cpu_per_update,
-        ),
-    ] {
+    let row = |w: &mut String,
+               figure: &str,
+               ours: Option<f64>,
+               of: &dyn Fn(&Floor) -> f64,
+               fmt: &dyn Fn(f64) -> String| {
+        let against = |f: Option<&Floor>| match f {
+            Some(f) => (fmt(of(f)), fmt_ratio(ours.map(|v| v / of(f)))),
+            None => ("n/a".to_string(), "n/a".to_string()),
+        };
+        let (tcp, tcp_ratio) = against(Some(f));
+        let (over_tls, tls_ratio) = against(tls);
         let _ = writeln!(
             w,
-            "| CPU per update, {side} | {} | {} | {} |",
-            ours.map_or("n/a".into(), us),
-            us(floor),
-            fmt_ratio(ours.map(|v| v / floor))
+            "| {figure} | {} | {tcp} | {tcp_ratio} | {over_tls} | {tls_ratio} |",
+            ours.map_or("n/a".into(), fmt),
         );
-    }
-    let _ = writeln!(
+    };
+    row(
         w,
-        "| one change to every node (splitproxy: single-change NPL p50; floor: a round's mean) | {} | {} | {} |",
-        ms(single),
-        ms(Some(f.round_mean_seconds)),
-        fmt_ratio(single.map(|v| v / f.round_mean_seconds))
+        "CPU per update, the brain's side (churn)",
+        brain,
+        &|f| f.brain_cpu_per_update,
+        &us,
     );
+    row(
+        w,
+        "CPU per update, the nodes' side (churn; splitproxy: the bench process, virtual fleet and writer)",
+        fleet,
+        &|f| f.node_cpu_per_update,
+        &us,
+    );
+    row(
+        w,
+        "one change to every node (splitproxy: single-change NPL p50; floor: a round's mean)",
+        single,
+        &|f| f.round_mean_seconds,
+        &|v| ms(Some(v)),
+    );
+    let worst = |f: Option<&Floor>| f.map_or("n/a".to_string(), |f| ms(Some(f.round_max_seconds)));
     let _ = writeln!(
         w,
-        "| a round to every node, worst of {} | | {} | |\n",
+        "| a round to every node, worst of {} | | {} | | {} | |\n",
         f.rounds,
-        ms(Some(f.round_max_seconds))
+        worst(Some(f)),
+        worst(tls)
     );
 }
 

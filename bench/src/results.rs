@@ -32,6 +32,9 @@ pub struct BenchResult {
     /// Bare loopback TCP to as many nodes, measured after the churn phase (src/floor.rs).
     #[serde(default)]
     pub floor: Option<crate::floor::Floor>,
+    /// The same floor with TLS on every stream (src/floor/link.rs).
+    #[serde(default)]
+    pub floor_tls: Option<crate::floor::Floor>,
     pub watches: Option<Watches>,
     pub targets: Vec<Target>,
     /// Things that went wrong or were skipped, in words.

@@ -13,7 +13,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-use super::{Floor, NodesSide, measure_with, nodes_side};
+use super::link::{self, Wire};
+use super::{Floor, NodesSide, Sizes, measure_with, nodes_side};
 
 /// `splitproxy-bench floor`: one side of the floor measurement, for the benchmark to spawn.
 #[derive(Debug, Clone, clap::Args)]
@@ -30,6 +31,12 @@ pub struct FloorArgs {
     /// Rounds (an update to every node and its ack).
     #[arg(long)]
     pub rounds: usize,
+    /// Every stream over TLS (the sending side makes a certificate and passes it on).
+    #[arg(long)]
+    pub tls: bool,
+    /// The nodes' side over TLS: the sending side's certificate, DER in hex.
+    #[arg(long)]
+    pub trust: Option<String>,
     /// Be the nodes' side of the sending side listening here. Without it: the sending side,
     /// which starts the nodes' side and prints the [`Floor`] as one line of JSON.
     #[arg(long)]
@@ -41,16 +48,14 @@ pub struct FloorArgs {
 /// standard input closes (the sending side closes it once it is done with them).
 pub fn command(args: &FloorArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
+    let sizes = (args.nodes, args.update_bytes, args.ack_bytes, args.rounds);
     match args.nodes_of {
         Some(addr) => {
-            let (cpu, conns) = nodes_side(
-                addr,
-                args.nodes,
-                args.update_bytes,
-                args.ack_bytes,
-                args.rounds,
-                Instant::now(),
-            )?;
+            let wire = match &args.trust {
+                Some(der) => link::tls_client(&hex::decode(der).context("--trust")?)?,
+                None => Wire::Tcp,
+            };
+            let (cpu, conns) = nodes_side(addr, &wire, sizes, Instant::now())?;
             writeln!(out, "{cpu}")?;
             out.flush()?;
             std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink())?;
@@ -58,31 +63,36 @@ pub fn command(args: &FloorArgs) -> anyhow::Result<()> {
         }
         None => {
             let exe = std::env::current_exe().context("locating this binary")?;
-            let f = measure_with(
-                args.nodes,
-                args.update_bytes,
-                args.ack_bytes,
-                args.rounds,
-                |addr, _| Ok(Box::new(Process::start(&exe, args, addr)?)),
-            )?;
+            let (wire, trust) = if args.tls {
+                let (wire, der) = link::tls_server()?;
+                (wire, Some(hex::encode(der)))
+            } else {
+                (Wire::Tcp, None)
+            };
+            let f = measure_with(sizes, &wire, |addr, _| {
+                Ok(Box::new(Process::start(&exe, sizes, trust, addr)?))
+            })?;
             writeln!(out, "{}", serde_json::to_string(&f)?)?;
         }
     }
     Ok(())
 }
 
-/// Runs the measurement in processes of its own (see the module's documentation), from this
-/// binary; blocking. Both sides end within the floor's time limit, so this does too.
+/// Runs the measurement, over TLS if `tls`, in processes of its own (see the module's
+/// documentation), from this binary; blocking. Both sides end within the floor's time limit,
+/// so this does too.
 pub fn measure_apart(
     nodes: usize,
     update_bytes: usize,
     ack_bytes: usize,
     rounds: usize,
+    tls: bool,
 ) -> anyhow::Result<Floor> {
     let exe = std::env::current_exe().context("locating this binary")?;
     let out = Command::new(exe)
         .arg("floor")
-        .args(side_args(nodes, update_bytes, ack_bytes, rounds))
+        .args(side_args((nodes, update_bytes, ack_bytes, rounds)))
+        .args(tls.then_some("--tls"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -99,7 +109,7 @@ pub fn measure_apart(
     serde_json::from_str(line.as_deref().unwrap_or_default()).context("reading the floor's result")
 }
 
-fn side_args(nodes: usize, update_bytes: usize, ack_bytes: usize, rounds: usize) -> Vec<String> {
+fn side_args((nodes, update_bytes, ack_bytes, rounds): Sizes) -> Vec<String> {
     [
         ("--nodes", nodes),
         ("--update-bytes", update_bytes),
@@ -119,15 +129,21 @@ struct Process {
 }
 
 impl Process {
-    fn start(exe: &std::path::Path, args: &FloorArgs, addr: SocketAddr) -> anyhow::Result<Self> {
+    fn start(
+        exe: &std::path::Path,
+        sizes: Sizes,
+        trust: Option<String>,
+        addr: SocketAddr,
+    ) -> anyhow::Result<Self> {
         let mut child = Command::new(exe)
             .arg("floor")
-            .args(side_args(
-                args.nodes,
-                args.update_bytes,
-                args.ack_bytes,
-                args.rounds,
-            ))
+            .args(side_args(sizes))
+            .args(
+                trust
+                    .map(|der| ["--trust".to_string(), der])
+                    .into_iter()
+                    .flatten(),
+            )
             .arg("--nodes-of")
             .arg(addr.to_string())
             .stdin(Stdio::piped())
