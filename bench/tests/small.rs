@@ -212,6 +212,17 @@ fn small_scale_run_measures_every_phase_on_every_node() {
         floor["brain_cpu_per_update"].as_f64().unwrap() >= 0.0,
         "{floor:#}"
     );
+    assert_eq!(floor["tls"], false, "{floor:#}");
+    // And again over TLS, reported beside it.
+    let tls = &json["floor_tls"];
+    assert_eq!(tls["tls"], true, "{tls:#}");
+    assert_eq!(tls["nodes"], 50, "{tls:#}");
+    assert_eq!(tls["update_bytes"], floor["update_bytes"], "{tls:#}");
+    assert!(tls["round_mean_seconds"].as_f64().unwrap() > 0.0, "{tls:#}");
+    assert!(
+        md.contains("| floor, TCP | ratio | floor, TLS | ratio |"),
+        "{md}"
+    );
     // The binary says which commit it was built from.
     assert!(
         !json["versions"]["build_commit"]
