@@ -6,10 +6,11 @@
 //! and answers with an ack. Updates are as long as the brain's were in the churn phase, acks as
 //! long as a node's ack with its framing. No TLS, no HTTP/2, no protobuf, no allocation per
 //! message, one `epoll` loop each side: any design that keeps a stream per node and an ack per
-//! update pays at least this on this machine, whatever its user space does. Measured again with
-//! TLS on every stream ([`link`]), it also says how much of the way to splitproxy TLS is. On loopback the
+//! update pays at least this on this machine, whatever its user space does. On loopback the
 //! sender's `write` also runs the receiver's TCP processing, as it does for the brain and the
-//! virtual fleet, so the comparison is like for like.
+//! virtual fleet, so the comparison is like for like. Measured a second time with TLS on every
+//! stream ([`link`]), it says which part of the gap to splitproxy TLS takes and which part is
+//! above it.
 //!
 //! The brain's CPU per node-update and a single change's fan-out to every node are reported
 //! against it (`report.rs`), as kube-proxy's figures are: a ratio to a peer measured in the
