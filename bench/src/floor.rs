@@ -25,8 +25,10 @@ use serde::{Deserialize, Serialize};
 
 mod apart;
 mod link;
+mod tasks;
 pub use apart::{FloorArgs, command, measure_apart};
 use link::{Link, Wire};
+pub use tasks::Stack;
 
 /// What the floor measurement found.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -34,6 +36,9 @@ pub struct Floor {
     /// Whether every stream carried TLS.
     #[serde(default)]
     pub tls: bool,
+    /// What carried the rounds above the sockets.
+    #[serde(default)]
+    pub stack: Stack,
     pub nodes: usize,
     pub rounds: usize,
     pub update_bytes: usize,
@@ -47,30 +52,49 @@ pub struct Floor {
     pub round_max_seconds: f64,
 }
 
+impl Floor {
+    /// What carried the rounds, in words.
+    pub fn label(&self) -> &'static str {
+        label(self.tls, self.stack)
+    }
+}
+
+/// The floor over TLS or not, on `stack`, in words.
+pub fn label(tls: bool, stack: Stack) -> &'static str {
+    match (stack, tls) {
+        (Stack::Epoll, false) => "bare TCP",
+        (Stack::Epoll, true) => "TLS",
+        (Stack::Tokio, _) => "TLS on tokio",
+        (Stack::H2, _) => "TLS, tokio and HTTP/2",
+    }
+}
+
 /// Longest a measurement may take before it is abandoned.
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// Runs `rounds` rounds to `nodes` connections, over TLS if `tls`, the nodes' side on a thread
-/// of this process; blocking (run it off the async runtime). Both sides then share this
-/// process's open-file limit: [`measure_apart`] runs them in processes of their own.
+/// Runs `rounds` rounds to `nodes` connections on `stack`, over TLS if `tls` (the tokio stacks
+/// always are), the nodes' side on a thread of this process; blocking (run it off the async
+/// runtime). Both sides then share this process's open-file limit: [`measure_apart`] runs
+/// them in processes of their own.
 pub fn measure(
     nodes: usize,
     update_bytes: usize,
     ack_bytes: usize,
     rounds: usize,
     tls: bool,
+    stack: Stack,
 ) -> anyhow::Result<Floor> {
-    let (wire, theirs) = if tls {
+    let (wire, theirs) = if tls || stack != Stack::Epoll {
         let (wire, der) = link::tls_server()?;
         (wire, link::tls_client(&der)?)
     } else {
         (Wire::Tcp, Wire::Tcp)
     };
     let sizes = (nodes, update_bytes, ack_bytes, rounds);
-    measure_with(sizes, &wire, |addr, started| {
+    measure_with(sizes, &wire, stack, |addr, started| {
         let side = std::thread::Builder::new()
             .name("floor-nodes".into())
-            .spawn(move || nodes_side(addr, &theirs, sizes, started))?;
+            .spawn(move || nodes_side(addr, &theirs, stack, sizes, started))?;
         Ok(Box::new(side))
     })
 }
@@ -87,7 +111,10 @@ trait NodesSide {
     fn finish(self: Box<Self>) -> anyhow::Result<f64>;
 }
 
-impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<Link>)>> {
+/// What keeps the nodes' streams open until the sending side is done with them.
+type Held = Vec<Link>;
+
+impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Held)>> {
     fn ended(&mut self) -> bool {
         self.is_finished()
     }
@@ -100,11 +127,12 @@ impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<Link>)>> {
     }
 }
 
-/// The measurement, the sending side over `wire`, with the nodes' side started by `start`
-/// (given the sending side's address and the measurement's start, for its time limit).
+/// The measurement, the sending side over `wire` on `stack`, with the nodes' side started by
+/// `start` (given the sending side's address and the measurement's start, for its time limit).
 fn measure_with(
     (nodes, update_bytes, ack_bytes, rounds): Sizes,
     wire: &Wire,
+    stack: Stack,
     start: impl FnOnce(std::net::SocketAddr, Instant) -> anyhow::Result<Box<dyn NodesSide>>,
 ) -> anyhow::Result<Floor> {
     if nodes == 0 || rounds == 0 || update_bytes == 0 || ack_bytes == 0 {
@@ -115,13 +143,12 @@ fn measure_with(
     let started = Instant::now();
     let mut node_side = start(addr, started).context("starting the nodes' side")?;
     listener.set_nonblocking(true)?;
-    let sending = sending_side(
-        &listener,
-        wire,
-        &mut || node_side.ended(),
-        (nodes, update_bytes, ack_bytes, rounds),
-        started,
-    );
+    let sizes = (nodes, update_bytes, ack_bytes, rounds);
+    let mut nodes_gone = || node_side.ended();
+    let sending = match stack {
+        Stack::Epoll => sending_side(&listener, wire, &mut nodes_gone, sizes, started),
+        _ => tasks::sending_side(&listener, wire, stack, &mut nodes_gone, sizes, started),
+    };
     drop(listener);
     // Finished after the sending side dropped its connections: a failed side ends the other's
     // loop (it reads a closed connection) instead of leaving it waiting.
@@ -135,6 +162,7 @@ fn measure_with(
     let updates = (nodes * rounds) as f64;
     Ok(Floor {
         tls: !matches!(wire, Wire::Tcp),
+        stack,
         nodes,
         rounds,
         update_bytes,
@@ -200,16 +228,24 @@ fn sending_side(
     Ok((thread_cpu() - cpu0, total, worst))
 }
 
-/// The nodes: connect over `wire`, then answer every whole update with an ack. Returns their
-/// CPU seconds from the first update on, and their connections: closed only once the sending
-/// side is done, which would otherwise read the end of a node's stream while waiting for
-/// another's ack.
+/// The nodes: connect over `wire` on `stack`, then answer every whole update with an ack.
+/// Returns their CPU seconds from the first update on, and their connections: closed only once
+/// the sending side is done, which would otherwise read the end of a node's stream while
+/// waiting for another's ack. (The tokio stacks return once the sending side closed them.)
 fn nodes_side(
     addr: std::net::SocketAddr,
     wire: &Wire,
-    (nodes, update_bytes, ack_bytes, rounds): Sizes,
+    stack: Stack,
+    sizes: Sizes,
     started: Instant,
-) -> anyhow::Result<(f64, Vec<Link>)> {
+) -> anyhow::Result<(f64, Held)> {
+    if stack != Stack::Epoll {
+        return Ok((
+            tasks::nodes_side(addr, wire, stack, sizes, started)?,
+            Vec::new(),
+        ));
+    }
+    let (nodes, update_bytes, ack_bytes, rounds) = sizes;
     let mut poll = Poll::new()?;
     let mut conns = Vec::with_capacity(nodes);
     for i in 0..nodes {
@@ -278,7 +314,7 @@ mod tests {
     #[test]
     fn a_small_floor_counts_every_update_and_ack() {
         for tls in [false, true] {
-            let f = measure(20, 3000, 40, 5, tls).unwrap();
+            let f = measure(20, 3000, 40, 5, tls, Stack::Epoll).unwrap();
             assert_eq!(
                 (f.tls, f.nodes, f.rounds, f.update_bytes, f.ack_bytes),
                 (tls, 20, 5, 3000, 40)
@@ -288,8 +324,29 @@ mod tests {
         }
     }
 
+    /// On tokio, with and without HTTP/2, every update and ack is counted too, over TLS.
+    #[test]
+    fn the_floor_on_tokio_counts_every_update_and_ack() {
+        for stack in [Stack::Tokio, Stack::H2] {
+            let f = measure(20, 3000, 40, 5, false, stack).unwrap();
+            assert_eq!(
+                (
+                    f.tls,
+                    f.stack,
+                    f.nodes,
+                    f.rounds,
+                    f.update_bytes,
+                    f.ack_bytes
+                ),
+                (true, stack, 20, 5, 3000, 40)
+            );
+            assert!(f.round_mean_seconds > 0.0 && f.round_max_seconds >= f.round_mean_seconds);
+            assert!(f.brain_cpu_per_update > 0.0 && f.node_cpu_per_update > 0.0);
+        }
+    }
+
     #[test]
     fn nothing_to_measure_is_an_error() {
-        assert!(measure(0, 3000, 40, 5, false).is_err());
+        assert!(measure(0, 3000, 40, 5, false, Stack::Epoll).is_err());
     }
 }

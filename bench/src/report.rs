@@ -271,19 +271,26 @@ pub fn targets(r: &BenchResult, npl_all: &Stats) -> Vec<Target> {
         kube_proxy: "n/a".into(),
         ratio: None,
         met: per_update.map(|v| v <= 10e-6),
-        note: match &r.floor {
-            Some(f) => format!(
-                "churn phase: CPU seconds of every brain replica / updates they sent; the fan-out floor in the same run \
-                 (bare loopback TCP, no TLS or HTTP/2, see Fan-out floor) is {:.1} µs on the sending side, and this is {}× that{}",
-                f.brain_cpu_per_update * 1e6,
-                fmt_ratio(per_update.map(|v| v / f.brain_cpu_per_update)),
-                r.floor_tls.as_ref().map_or(String::new(), |t| format!(
-                    "; over TLS the floor is {:.1} µs, and this is {}× that",
-                    t.brain_cpu_per_update * 1e6,
-                    fmt_ratio(per_update.map(|v| v / t.brain_cpu_per_update))
-                ))
-            ),
-            None => "churn phase: CPU seconds of every brain replica / updates they sent".into(),
+        note: {
+            let against: Vec<String> = floors(r)
+                .iter()
+                .map(|f| {
+                    format!(
+                        "{} {:.1} µs ({}×)",
+                        f.label(),
+                        f.brain_cpu_per_update * 1e6,
+                        fmt_ratio(per_update.map(|v| v / f.brain_cpu_per_update))
+                    )
+                })
+                .collect();
+            let mut note = "churn phase: CPU seconds of every brain replica / updates they sent".to_string();
+            if !against.is_empty() {
+                note += &format!(
+                    "; the fan-out floors of the same run, sending side (see Fan-out floor), and this against each: {}",
+                    against.join(", ")
+                );
+            }
+            note
         },
     });
     let cs = &r.cold_start;
@@ -1208,83 +1215,68 @@ fn failover_section(w: &mut String, r: &BenchResult) {
     let _ = writeln!(w);
 }
 
-/// The fan-out floor beside what splitproxy did in the same run: CPU per update and a single
-/// change's fan-out to every node; over bare TCP, and over TLS when that was measured too.
+/// The floors a run measured, from the barest up: bare TCP, TLS, TLS on tokio, and HTTP/2 too.
+fn floors(r: &BenchResult) -> Vec<&Floor> {
+    [&r.floor, &r.floor_tls, &r.floor_tokio, &r.floor_h2]
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// The fan-out floors beside what splitproxy did in the same run: CPU per update on each side
+/// and a single change's fan-out to every node, one row per floor, from the barest up.
 fn floor_section(w: &mut String, r: &BenchResult) {
-    let Some(f) = &r.floor else {
+    let all = floors(r);
+    let Some(f) = all.first() else {
         return;
     };
     let _ = writeln!(
         w,
-        "## Fan-out floor\n\nWhat the system calls alone cost for one TCP stream per node and an ack per update, \
+        "## Fan-out floor\n\nWhat a stream per node and an ack per update cost at least on this machine, \
          measured in this run (src/floor.rs): {} loopback connections, {} rounds of a {}-byte update to each and a \
-         {}-byte ack back, one epoll loop on each side, no TLS, HTTP/2 or protobuf. Any design with a stream per node \
-         and an ack per update pays at least this on this machine.",
+         {}-byte ack back, no protobuf and no work beyond moving the bytes. The rows add one layer each: bare TCP \
+         in one epoll loop a side; TLS (rustls with the brain's crypto provider, TLS 1.3, handshakes before the \
+         rounds); the same on tokio, a task per stream (src/floor/tasks.rs); and an HTTP/2 stream per connection \
+         carrying each update and ack as a DATA frame, as a gRPC call does (the `h2` crate under hyper and tonic). \
+         Each ratio is splitproxy's figure over the floor's: what is left above the HTTP/2 row is how splitproxy \
+         serves its streams (hyper's and tonic's tasks on a multi-threaded runtime, the sessions, the encoding and \
+         the bookkeeping).",
         f.nodes, f.rounds, f.update_bytes, f.ack_bytes
     );
-    let tls = r.floor_tls.as_ref();
-    if tls.is_some() {
-        let _ = writeln!(
-            w,
-            "\nMeasured again with TLS on every stream (rustls with the brain's crypto provider, TLS 1.3, the \
-             handshakes before the rounds): what is left above that is HTTP/2, gRPC's framing and the async runtime."
-        );
-    }
     let churn = phase(r, "churn");
     let brain = churn.and_then(|p| cpu_per_update(p, "brain"));
     let fleet = churn.and_then(|p| cpu_per_update(p, "bench"));
     let single = r.single_changes.as_ref().and_then(|s| s.npl.p50);
-    let us = |v: f64| format!("{:.1} µs", v * 1e6);
+    let us = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1} µs", v * 1e6));
     let _ = writeln!(
         w,
-        "\n| figure | splitproxy | floor, TCP | ratio | floor, TLS | ratio |\n|---|---|---|---|---|---|"
+        "\n| | CPU per update, sending side | the brain ÷ it | CPU per update, nodes' side | the fleet ÷ it \
+         | one change to every node | single-change NPL p50 ÷ it | worst round |\n|---|---|---|---|---|---|---|---|"
     );
-    let row = |w: &mut String,
-               figure: &str,
-               ours: Option<f64>,
-               of: &dyn Fn(&Floor) -> f64,
-               fmt: &dyn Fn(f64) -> String| {
-        let against = |f: Option<&Floor>| match f {
-            Some(f) => (fmt(of(f)), fmt_ratio(ours.map(|v| v / of(f)))),
-            None => ("n/a".to_string(), "n/a".to_string()),
-        };
-        let (tcp, tcp_ratio) = against(Some(f));
-        let (over_tls, tls_ratio) = against(tls);
+    let _ = writeln!(
+        w,
+        "| splitproxy (churn; nodes' side: the bench process, virtual fleet and writer; one change: single-change NPL p50) \
+         | {} | | {} | | {} | | |",
+        us(brain),
+        us(fleet),
+        ms(single)
+    );
+    for f in all {
+        let ratio = |ours: Option<f64>, floor: f64| fmt_ratio(ours.map(|v| v / floor));
         let _ = writeln!(
             w,
-            "| {figure} | {} | {tcp} | {tcp_ratio} | {over_tls} | {tls_ratio} |",
-            ours.map_or("n/a".into(), fmt),
+            "| floor, {} | {} | {} | {} | {} | {} | {} | {} |",
+            f.label(),
+            us(Some(f.brain_cpu_per_update)),
+            ratio(brain, f.brain_cpu_per_update),
+            us(Some(f.node_cpu_per_update)),
+            ratio(fleet, f.node_cpu_per_update),
+            ms(Some(f.round_mean_seconds)),
+            ratio(single, f.round_mean_seconds),
+            ms(Some(f.round_max_seconds)),
         );
-    };
-    row(
-        w,
-        "CPU per update, the brain's side (churn)",
-        brain,
-        &|f| f.brain_cpu_per_update,
-        &us,
-    );
-    row(
-        w,
-        "CPU per update, the nodes' side (churn; splitproxy: the bench process, virtual fleet and writer)",
-        fleet,
-        &|f| f.node_cpu_per_update,
-        &us,
-    );
-    row(
-        w,
-        "one change to every node (splitproxy: single-change NPL p50; floor: a round's mean)",
-        single,
-        &|f| f.round_mean_seconds,
-        &|v| ms(Some(v)),
-    );
-    let worst = |f: Option<&Floor>| f.map_or("n/a".to_string(), |f| ms(Some(f.round_max_seconds)));
-    let _ = writeln!(
-        w,
-        "| a round to every node, worst of {} | | {} | | {} | |\n",
-        f.rounds,
-        worst(Some(f)),
-        worst(tls)
-    );
+    }
+    let _ = writeln!(w);
 }
 
 fn restart_section(w: &mut String, r: &BenchResult) {

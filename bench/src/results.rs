@@ -35,6 +35,12 @@ pub struct BenchResult {
     /// The same floor with TLS on every stream (src/floor/link.rs).
     #[serde(default)]
     pub floor_tls: Option<crate::floor::Floor>,
+    /// The floor over TLS on tokio tasks, one per stream (src/floor/tasks.rs).
+    #[serde(default)]
+    pub floor_tokio: Option<crate::floor::Floor>,
+    /// The same with an HTTP/2 stream per connection carrying updates and acks.
+    #[serde(default)]
+    pub floor_h2: Option<crate::floor::Floor>,
     pub watches: Option<Watches>,
     pub targets: Vec<Target>,
     /// Things that went wrong or were skipped, in words.

@@ -203,15 +203,27 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
         }
     }
     if !args.skip_floor {
-        match fanout_floor(result, false).await {
-            Ok(f) => result.floor = Some(f),
-            Err(e) => b.notes.push(format!("fan-out floor not measured: {e:#}")),
-        }
-        match fanout_floor(result, true).await {
-            Ok(f) => result.floor_tls = Some(f),
-            Err(e) => b
-                .notes
-                .push(format!("fan-out floor over TLS not measured: {e:#}")),
+        use crate::floor::Stack;
+        for (tls, stack) in [
+            (false, Stack::Epoll),
+            (true, Stack::Epoll),
+            (true, Stack::Tokio),
+            (true, Stack::H2),
+        ] {
+            let measured = fanout_floor(result, tls, stack).await;
+            let slot = match (tls, stack) {
+                (false, Stack::Epoll) => &mut result.floor,
+                (_, Stack::Epoll) => &mut result.floor_tls,
+                (_, Stack::Tokio) => &mut result.floor_tokio,
+                (_, Stack::H2) => &mut result.floor_h2,
+            };
+            match measured {
+                Ok(f) => *slot = Some(f),
+                Err(e) => b.notes.push(format!(
+                    "fan-out floor ({}) not measured: {e:#}",
+                    crate::floor::label(tls, stack)
+                )),
+            }
         }
     }
     if args.failover() {
@@ -238,10 +250,14 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
 }
 
 /// The fan-out floor ([`crate::floor`]) to as many nodes as the fleet has, with updates as long
-/// as the churn phase's, over bare TCP or TLS: run while the brain and the fleet are idle
-/// between phases, in processes of its own (the fleet's streams hold as many descriptors as the
-/// floor's).
-async fn fanout_floor(result: &BenchResult, tls: bool) -> anyhow::Result<crate::floor::Floor> {
+/// as the churn phase's, over bare TCP or TLS, on `stack`: run while the brain and the fleet are
+/// idle between phases, in processes of its own (the fleet's streams hold as many descriptors
+/// as the floor's).
+async fn fanout_floor(
+    result: &BenchResult,
+    tls: bool,
+    stack: crate::floor::Stack,
+) -> anyhow::Result<crate::floor::Floor> {
     let churn = crate::report::phase(result, "churn")
         .context("no churn phase to take the update size from")?;
     let update_bytes = match (churn.splitproxy.bytes_sent, churn.splitproxy.updates_sent) {
@@ -249,14 +265,23 @@ async fn fanout_floor(result: &BenchResult, tls: bool) -> anyhow::Result<crate::
         _ => anyhow::bail!("the churn phase has no update sizes"),
     };
     let nodes = result.config.nodes;
-    let over = if tls { "TLS" } else { "TCP" };
-    println!("[bench] fan-out floor: {nodes} loopback {over} streams, {update_bytes}-byte updates");
+    let over = crate::floor::label(tls, stack);
+    println!(
+        "[bench] fan-out floor: {nodes} loopback streams, {over}, {update_bytes}-byte updates"
+    );
     let f = tokio::task::spawn_blocking(move || {
-        crate::floor::measure_apart(nodes, update_bytes, FLOOR_ACK_BYTES, FLOOR_ROUNDS, tls)
+        crate::floor::measure_apart(
+            nodes,
+            update_bytes,
+            FLOOR_ACK_BYTES,
+            FLOOR_ROUNDS,
+            tls,
+            stack,
+        )
     })
     .await??;
     println!(
-        "[bench]   floor over {over}: {:.1} µs CPU per update on the sending side, {:.1} µs on the nodes' side; a round to every node {:.1} ms (worst {:.1} ms)",
+        "[bench]   floor, {over}: {:.1} µs CPU per update on the sending side, {:.1} µs on the nodes' side; a round to every node {:.1} ms (worst {:.1} ms)",
         f.brain_cpu_per_update * 1e6,
         f.node_cpu_per_update * 1e6,
         f.round_mean_seconds * 1e3,
@@ -269,7 +294,7 @@ async fn fanout_floor(result: &BenchResult, tls: bool) -> anyhow::Result<crate::
 const FLOOR_ACK_BYTES: usize = 48;
 /// Rounds of the floor measurement (each an update to every node and its ack). 20 rounds at
 /// 5,000 nodes (a second of CPU) moved by half from one run to the next on this machine; 100
-/// (about 4 s over TCP and 5 s over TLS) stayed within 10 %.
+/// (about 4 s over TCP, 8 over TLS, 13 on tokio and 20 with HTTP/2) stayed within 10 %.
 const FLOOR_ROUNDS: usize = 100;
 
 type PhaseFn = for<'a> fn(

@@ -28,7 +28,14 @@ fn the_floor_over_tls_runs_apart_too() {
     measured_under_512("--tls", true);
 }
 
-fn measured_under_512(extra: &str, tls: bool) {
+/// On tokio with HTTP/2 both processes run the same stack, and its streams are TLS too.
+#[test]
+fn the_floor_on_tokio_and_http2_runs_apart_too() {
+    let floor = measured_under_512("--stack h2", true);
+    assert_eq!(floor["stack"], "h2", "{floor:#}");
+}
+
+fn measured_under_512(extra: &str, tls: bool) -> serde_json::Value {
     let out = floor_under(512, extra);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}: {stderr}", out.status);
@@ -50,6 +57,7 @@ fn measured_under_512(extra: &str, tls: bool) {
         floor["brain_cpu_per_update"].as_f64().unwrap() > 0.0,
         "{floor:#}"
     );
+    floor
 }
 
 #[test]

@@ -219,10 +219,21 @@ fn small_scale_run_measures_every_phase_on_every_node() {
     assert_eq!(tls["nodes"], 50, "{tls:#}");
     assert_eq!(tls["update_bytes"], floor["update_bytes"], "{tls:#}");
     assert!(tls["round_mean_seconds"].as_f64().unwrap() > 0.0, "{tls:#}");
-    assert!(
-        md.contains("| floor, TCP | ratio | floor, TLS | ratio |"),
-        "{md}"
-    );
+    // And on tokio, without and with HTTP/2: every floor a row of the report's table.
+    for (key, stack) in [("floor_tokio", "tokio"), ("floor_h2", "h2")] {
+        let f = &json[key];
+        assert_eq!(
+            (&f["tls"], &f["stack"]),
+            (&true.into(), &stack.into()),
+            "{f:#}"
+        );
+        assert_eq!(f["nodes"], 50, "{f:#}");
+        assert_eq!(f["update_bytes"], floor["update_bytes"], "{f:#}");
+        assert!(f["node_cpu_per_update"].as_f64().unwrap() > 0.0, "{f:#}");
+    }
+    for row in ["bare TCP", "TLS", "TLS on tokio", "TLS, tokio and HTTP/2"] {
+        assert!(md.contains(&format!("| floor, {row} | ")), "{row}: {md}");
+    }
     // The binary says which commit it was built from.
     assert!(
         !json["versions"]["build_commit"]

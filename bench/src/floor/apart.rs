@@ -14,7 +14,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 use super::link::{self, Wire};
-use super::{Floor, NodesSide, Sizes, measure_with, nodes_side};
+use super::{Floor, NodesSide, Sizes, Stack, measure_with, nodes_side};
 
 /// `splitproxy-bench floor`: one side of the floor measurement, for the benchmark to spawn.
 #[derive(Debug, Clone, clap::Args)]
@@ -34,6 +34,9 @@ pub struct FloorArgs {
     /// Every stream over TLS (the sending side makes a certificate and passes it on).
     #[arg(long)]
     pub tls: bool,
+    /// What carries the rounds above the sockets (the tokio stacks always run over TLS).
+    #[arg(long, value_enum, default_value_t = Stack::Epoll)]
+    pub stack: Stack,
     /// The nodes' side over TLS: the sending side's certificate, DER in hex.
     #[arg(long)]
     pub trust: Option<String>,
@@ -55,7 +58,7 @@ pub fn command(args: &FloorArgs) -> anyhow::Result<()> {
                 Some(der) => link::tls_client(&hex::decode(der).context("--trust")?)?,
                 None => Wire::Tcp,
             };
-            let (cpu, conns) = nodes_side(addr, &wire, sizes, Instant::now())?;
+            let (cpu, conns) = nodes_side(addr, &wire, args.stack, sizes, Instant::now())?;
             writeln!(out, "{cpu}")?;
             out.flush()?;
             std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink())?;
@@ -63,14 +66,16 @@ pub fn command(args: &FloorArgs) -> anyhow::Result<()> {
         }
         None => {
             let exe = std::env::current_exe().context("locating this binary")?;
-            let (wire, trust) = if args.tls {
+            let (wire, trust) = if args.tls || args.stack != Stack::Epoll {
                 let (wire, der) = link::tls_server()?;
                 (wire, Some(hex::encode(der)))
             } else {
                 (Wire::Tcp, None)
             };
-            let f = measure_with(sizes, &wire, |addr, _| {
-                Ok(Box::new(Process::start(&exe, sizes, trust, addr)?))
+            let f = measure_with(sizes, &wire, args.stack, |addr, _| {
+                Ok(Box::new(Process::start(
+                    &exe, sizes, args.stack, trust, addr,
+                )?))
             })?;
             writeln!(out, "{}", serde_json::to_string(&f)?)?;
         }
@@ -78,20 +83,21 @@ pub fn command(args: &FloorArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the measurement, over TLS if `tls`, in processes of its own (see the module's
-/// documentation), from this binary; blocking. Both sides end within the floor's time limit,
-/// so this does too.
+/// Runs the measurement on `stack`, over TLS if `tls` (the tokio stacks always are), in
+/// processes of its own (see the module's documentation), from this binary; blocking. Both
+/// sides end within the floor's time limit, so this does too.
 pub fn measure_apart(
     nodes: usize,
     update_bytes: usize,
     ack_bytes: usize,
     rounds: usize,
     tls: bool,
+    stack: Stack,
 ) -> anyhow::Result<Floor> {
     let exe = std::env::current_exe().context("locating this binary")?;
     let out = Command::new(exe)
         .arg("floor")
-        .args(side_args((nodes, update_bytes, ack_bytes, rounds)))
+        .args(side_args((nodes, update_bytes, ack_bytes, rounds), stack))
         .args(tls.then_some("--tls"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -109,8 +115,11 @@ pub fn measure_apart(
     serde_json::from_str(line.as_deref().unwrap_or_default()).context("reading the floor's result")
 }
 
-fn side_args((nodes, update_bytes, ack_bytes, rounds): Sizes) -> Vec<String> {
-    [
+fn side_args((nodes, update_bytes, ack_bytes, rounds): Sizes, stack: Stack) -> Vec<String> {
+    let stack = clap::ValueEnum::to_possible_value(&stack)
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_default();
+    let mut args: Vec<String> = [
         ("--nodes", nodes),
         ("--update-bytes", update_bytes),
         ("--ack-bytes", ack_bytes),
@@ -118,7 +127,9 @@ fn side_args((nodes, update_bytes, ack_bytes, rounds): Sizes) -> Vec<String> {
     ]
     .into_iter()
     .flat_map(|(flag, n)| [flag.to_string(), n.to_string()])
-    .collect()
+    .collect();
+    args.extend(["--stack".to_string(), stack]);
+    args
 }
 
 /// The nodes' side as a child process.
@@ -132,12 +143,13 @@ impl Process {
     fn start(
         exe: &std::path::Path,
         sizes: Sizes,
+        stack: Stack,
         trust: Option<String>,
         addr: SocketAddr,
     ) -> anyhow::Result<Self> {
         let mut child = Command::new(exe)
             .arg("floor")
-            .args(side_args(sizes))
+            .args(side_args(sizes, stack))
             .args(
                 trust
                     .map(|der| ["--trust".to_string(), der])

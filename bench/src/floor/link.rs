@@ -16,7 +16,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use rustls::{ClientConnection, Connection, ServerConnection};
 
 /// The name the sending side's certificate is for.
-const SERVER_NAME: &str = "floor.splitproxy.invalid";
+pub(super) const SERVER_NAME: &str = "floor.splitproxy.invalid";
 
 /// What the streams carry the bytes over.
 #[derive(Clone)]
