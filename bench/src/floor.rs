@@ -66,6 +66,7 @@ pub fn label(tls: bool, stack: Stack) -> &'static str {
         (Stack::Epoll, true) => "TLS",
         (Stack::Tokio, _) => "TLS on tokio",
         (Stack::H2, _) => "TLS, tokio and HTTP/2",
+        (Stack::Hyper, _) => "TLS, tokio and hyper's HTTP/2 server",
     }
 }
 
@@ -324,10 +325,11 @@ mod tests {
         }
     }
 
-    /// On tokio, with and without HTTP/2, every update and ack is counted too, over TLS.
+    /// On tokio, with and without HTTP/2, by `h2` or hyper's server, every update and ack is
+    /// counted too, over TLS.
     #[test]
     fn the_floor_on_tokio_counts_every_update_and_ack() {
-        for stack in [Stack::Tokio, Stack::H2] {
+        for stack in [Stack::Tokio, Stack::H2, Stack::Hyper] {
             let f = measure(20, 3000, 40, 5, false, stack).unwrap();
             assert_eq!(
                 (

@@ -1215,12 +1215,19 @@ fn failover_section(w: &mut String, r: &BenchResult) {
     let _ = writeln!(w);
 }
 
-/// The floors a run measured, from the barest up: bare TCP, TLS, TLS on tokio, and HTTP/2 too.
+/// The floors a run measured, from the barest up: bare TCP, TLS, TLS on tokio, HTTP/2 by `h2`
+/// and by hyper's server.
 fn floors(r: &BenchResult) -> Vec<&Floor> {
-    [&r.floor, &r.floor_tls, &r.floor_tokio, &r.floor_h2]
-        .into_iter()
-        .flatten()
-        .collect()
+    [
+        &r.floor,
+        &r.floor_tls,
+        &r.floor_tokio,
+        &r.floor_h2,
+        &r.floor_hyper,
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// The fan-out floors beside what splitproxy did in the same run: CPU per update on each side
@@ -1236,11 +1243,13 @@ fn floor_section(w: &mut String, r: &BenchResult) {
          measured in this run (src/floor.rs): {} loopback connections, {} rounds of a {}-byte update to each and a \
          {}-byte ack back, no protobuf and no work beyond moving the bytes. The rows add one layer each: bare TCP \
          in one epoll loop a side; TLS (rustls with the brain's crypto provider, TLS 1.3, handshakes before the \
-         rounds); the same on tokio, a task per stream (src/floor/tasks.rs); and an HTTP/2 stream per connection \
-         carrying each update and ack as a DATA frame, as a gRPC call does (the `h2` crate under hyper and tonic). \
-         Each ratio is splitproxy's figure over the floor's: what is left above the HTTP/2 row is how splitproxy \
-         serves its streams (hyper's and tonic's tasks on a multi-threaded runtime, the sessions, the encoding and \
-         the bookkeeping).",
+         rounds); the same on tokio, a task per stream (src/floor/tasks.rs); an HTTP/2 stream per connection \
+         carrying each update and ack as a DATA frame, as a gRPC call does, by the `h2` crate (the one under hyper \
+         and tonic) on one task per connection; and the sending side served by hyper's HTTP/2 server instead, as \
+         the brain's streams are (a task for the connection, one for the stream, the response body polled for \
+         the acks and the next update). Each ratio is splitproxy's figure over the floor's: what is left above \
+         the last row is what splitproxy does itself (tonic's routing, the sessions, the encoding, the \
+         bookkeeping, a multi-threaded runtime).",
         f.nodes, f.rounds, f.update_bytes, f.ack_bytes
     );
     let churn = phase(r, "churn");

@@ -41,6 +41,9 @@ pub struct BenchResult {
     /// The same with an HTTP/2 stream per connection carrying updates and acks.
     #[serde(default)]
     pub floor_h2: Option<crate::floor::Floor>,
+    /// The same with the sending side served by hyper's HTTP/2 server, as the brain's is.
+    #[serde(default)]
+    pub floor_hyper: Option<crate::floor::Floor>,
     pub watches: Option<Watches>,
     pub targets: Vec<Target>,
     /// Things that went wrong or were skipped, in words.

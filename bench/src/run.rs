@@ -209,6 +209,7 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
             (true, Stack::Epoll),
             (true, Stack::Tokio),
             (true, Stack::H2),
+            (true, Stack::Hyper),
         ] {
             let measured = fanout_floor(result, tls, stack).await;
             let slot = match (tls, stack) {
@@ -216,6 +217,7 @@ async fn changes_and_watches(b: &mut Bench, args: &BenchArgs, result: &mut Bench
                 (_, Stack::Epoll) => &mut result.floor_tls,
                 (_, Stack::Tokio) => &mut result.floor_tokio,
                 (_, Stack::H2) => &mut result.floor_h2,
+                (_, Stack::Hyper) => &mut result.floor_hyper,
             };
             match measured {
                 Ok(f) => *slot = Some(f),

@@ -220,7 +220,11 @@ fn small_scale_run_measures_every_phase_on_every_node() {
     assert_eq!(tls["update_bytes"], floor["update_bytes"], "{tls:#}");
     assert!(tls["round_mean_seconds"].as_f64().unwrap() > 0.0, "{tls:#}");
     // And on tokio, without and with HTTP/2: every floor a row of the report's table.
-    for (key, stack) in [("floor_tokio", "tokio"), ("floor_h2", "h2")] {
+    for (key, stack) in [
+        ("floor_tokio", "tokio"),
+        ("floor_h2", "h2"),
+        ("floor_hyper", "hyper"),
+    ] {
         let f = &json[key];
         assert_eq!(
             (&f["tls"], &f["stack"]),
@@ -231,7 +235,13 @@ fn small_scale_run_measures_every_phase_on_every_node() {
         assert_eq!(f["update_bytes"], floor["update_bytes"], "{f:#}");
         assert!(f["node_cpu_per_update"].as_f64().unwrap() > 0.0, "{f:#}");
     }
-    for row in ["bare TCP", "TLS", "TLS on tokio", "TLS, tokio and HTTP/2"] {
+    for row in [
+        "bare TCP",
+        "TLS",
+        "TLS on tokio",
+        "TLS, tokio and HTTP/2",
+        "TLS, tokio and hyper's HTTP/2 server",
+    ] {
         assert!(md.contains(&format!("| floor, {row} | ")), "{row}: {md}");
     }
     // The binary says which commit it was built from.

@@ -11,25 +11,36 @@
 //! - [`Stack::H2`]: the same with one HTTP/2 stream per connection (the `h2` crate, the one
 //!   hyper and tonic use), request and response headers as a gRPC call has them, each update
 //!   and ack a DATA frame, flow-control windows released as the data is taken; one task per
-//!   connection drives both the connection and its stream, as the virtual fleet's nodes do.
+//!   connection drives both the connection and its stream, as the virtual fleet's nodes do;
+//! - [`Stack::Hyper`]: the sending side served as the brain's streams are, by hyper's HTTP/2
+//!   server (the one under tonic): a task for the connection, one hyper spawns for the stream,
+//!   and the response body polled by it taking the acks from the request body and the next
+//!   update, as the brain's session is polled by its body. The nodes' side is `H2`'s.
 //!
 //! No protobuf, no allocation per message beyond what the libraries make, and one shared
 //! `Bytes` sent to every stream: what is measured is the stack, not the brain's work. A round
 //! starts for every stream through one `watch` channel, and the task whose ack completes a
 //! round wakes the round's driver.
 use std::future::poll_fn;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
+use futures::Stream;
+use http_body::Frame;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::ServerName;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
+use tokio_stream::wrappers::WatchStream;
 
 use super::link::{SERVER_NAME, Wire};
 use super::{LIMIT, Sizes, thread_cpu};
@@ -45,17 +56,8 @@ pub enum Stack {
     Tokio,
     /// As `Tokio`, with an HTTP/2 stream per connection carrying them as DATA frames.
     H2,
-}
-
-impl Stack {
-    /// How the report and the logs name it.
-    pub fn label(self) -> &'static str {
-        match self {
-            Stack::Epoll => "epoll",
-            Stack::Tokio => "tokio",
-            Stack::H2 => "tokio and HTTP/2",
-        }
-    }
+    /// As `H2`, the sending side served by hyper's HTTP/2 server.
+    Hyper,
 }
 
 /// The windows the actuator's client announces (hyper's defaults, as tonic leaves them).
@@ -204,8 +206,35 @@ impl SendingStream {
         let tls = acceptor.accept(s).await.context("the TLS handshake")?;
         match stack {
             Stack::H2 => self.over_h2(tls).await,
+            Stack::Hyper => self.over_hyper(tls).await,
             _ => self.over_tls(tls).await,
         }
+    }
+
+    async fn over_hyper(
+        self,
+        tls: impl AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+            self.progress.add_ready(self.nodes);
+            let body = RoundBody {
+                acks: request.into_body(),
+                rounds: WatchStream::from_changes(self.next_round.clone()),
+                update: self.update.clone(),
+                progress: self.progress.clone(),
+                nodes: self.nodes,
+                ack_bytes: self.ack_bytes,
+                got: 0,
+            };
+            let response = http::Response::builder()
+                .header("content-type", "application/grpc")
+                .body(body);
+            std::future::ready(response)
+        });
+        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(TokioIo::new(tls), service)
+            .await
+            .context("serving the connection")
     }
 
     async fn over_tls(
@@ -264,6 +293,51 @@ impl SendingStream {
                     }
                 }
             }
+        }
+    }
+}
+
+/// A stream's response body under hyper: each poll takes the acks that arrived from the
+/// request body, then the next round's update if it started.
+struct RoundBody {
+    acks: Incoming,
+    rounds: WatchStream<usize>,
+    update: Bytes,
+    progress: Arc<Progress>,
+    nodes: usize,
+    ack_bytes: usize,
+    got: usize,
+}
+
+impl http_body::Body for RoundBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        loop {
+            match Pin::new(&mut this.acks).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        this.got += data.len();
+                        while this.got >= this.ack_bytes {
+                            this.got -= this.ack_bytes;
+                            this.progress.add_done(this.nodes);
+                        }
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => break,
+            }
+        }
+        match Pin::new(&mut this.rounds).poll_next(cx) {
+            Poll::Ready(Some(_)) => Poll::Ready(Some(Ok(Frame::data(this.update.clone())))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
         }
     }
 }
@@ -342,7 +416,7 @@ impl NodeStream {
             .await
             .context("the TLS handshake")?;
         match stack {
-            Stack::H2 => self.over_h2(tls).await,
+            Stack::H2 | Stack::Hyper => self.over_h2(tls).await,
             _ => self.over_tls(tls).await,
         }
     }
