@@ -108,6 +108,26 @@ impl Progress {
     }
 }
 
+/// A stream's bytes counted into whole messages of one size (HTTP/2 may split or join them).
+struct Whole {
+    size: usize,
+    got: usize,
+}
+
+impl Whole {
+    fn new(size: usize) -> Self {
+        Whole { size, got: 0 }
+    }
+
+    /// Takes `n` more bytes; returns how many messages they completed.
+    fn add(&mut self, n: usize) -> usize {
+        self.got += n;
+        let whole = self.got / self.size;
+        self.got %= self.size;
+        whole
+    }
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -223,8 +243,7 @@ impl SendingStream {
                 update: self.update.clone(),
                 progress: self.progress.clone(),
                 nodes: self.nodes,
-                ack_bytes: self.ack_bytes,
-                got: 0,
+                acks_taken: Whole::new(self.ack_bytes),
             };
             let response = http::Response::builder()
                 .header("content-type", "application/grpc")
@@ -269,7 +288,7 @@ impl SendingStream {
         let mut send = respond.send_response(head, false)?;
         let mut body = request.into_body();
         self.progress.add_ready(self.nodes);
-        let mut got = 0;
+        let mut acks = Whole::new(self.ack_bytes);
         loop {
             tokio::select! {
                 biased;
@@ -286,9 +305,7 @@ impl SendingStream {
                 data = body.data() => {
                     let data = data.context("the call ended")??;
                     body.flow_control().release_capacity(data.len())?;
-                    got += data.len();
-                    while got >= self.ack_bytes {
-                        got -= self.ack_bytes;
+                    for _ in 0..acks.add(data.len()) {
                         self.progress.add_done(self.nodes);
                     }
                 }
@@ -305,8 +322,7 @@ struct RoundBody {
     update: Bytes,
     progress: Arc<Progress>,
     nodes: usize,
-    ack_bytes: usize,
-    got: usize,
+    acks_taken: Whole,
 }
 
 impl http_body::Body for RoundBody {
@@ -322,9 +338,7 @@ impl http_body::Body for RoundBody {
             match Pin::new(&mut this.acks).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Ok(data) = frame.into_data() {
-                        this.got += data.len();
-                        while this.got >= this.ack_bytes {
-                            this.got -= this.ack_bytes;
+                        for _ in 0..this.acks_taken.add(data.len()) {
                             this.progress.add_done(this.nodes);
                         }
                     }
@@ -453,7 +467,7 @@ impl NodeStream {
         };
         let mut body = response.into_body();
         self.progress.add_ready(self.nodes);
-        let mut got = 0;
+        let mut updates = Whole::new(self.update_bytes);
         loop {
             tokio::select! {
                 biased;
@@ -461,9 +475,7 @@ impl NodeStream {
                 data = body.data() => {
                     let data = data.context("the call ended")??;
                     body.flow_control().release_capacity(data.len())?;
-                    got += data.len();
-                    while got >= self.update_bytes {
-                        got -= self.update_bytes;
+                    for _ in 0..updates.add(data.len()) {
                         send.send_data(self.ack.clone(), false)?;
                         self.progress.add_done(self.nodes);
                     }
