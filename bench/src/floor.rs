@@ -8,9 +8,10 @@
 //! message, one `epoll` loop each side: any design that keeps a stream per node and an ack per
 //! update pays at least this on this machine, whatever its user space does. On loopback the
 //! sender's `write` also runs the receiver's TCP processing, as it does for the brain and the
-//! virtual fleet, so the comparison is like for like. Measured a second time with TLS on every
-//! stream ([`link`]), it says which part of the gap to splitproxy TLS takes and which part is
-//! above it.
+//! virtual fleet, so the comparison is like for like. Measured again with TLS on every stream
+//! ([`link`]), then on tokio without and with HTTP/2, by `h2` and by hyper's server
+//! ([`tasks`]), it says which part of the gap to splitproxy each layer takes, and what is left
+//! for splitproxy's own work.
 //!
 //! The brain's CPU per node-update and a single change's fan-out to every node are reported
 //! against it (`report.rs`), as kube-proxy's figures are: a ratio to a peer measured in the
@@ -112,10 +113,7 @@ trait NodesSide {
     fn finish(self: Box<Self>) -> anyhow::Result<f64>;
 }
 
-/// What keeps the nodes' streams open until the sending side is done with them.
-type Held = Vec<Link>;
-
-impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Held)>> {
+impl NodesSide for std::thread::JoinHandle<anyhow::Result<(f64, Vec<Link>)>> {
     fn ended(&mut self) -> bool {
         self.is_finished()
     }
@@ -239,7 +237,7 @@ fn nodes_side(
     stack: Stack,
     sizes: Sizes,
     started: Instant,
-) -> anyhow::Result<(f64, Held)> {
+) -> anyhow::Result<(f64, Vec<Link>)> {
     if stack != Stack::Epoll {
         return Ok((
             tasks::nodes_side(addr, wire, stack, sizes, started)?,

@@ -3,7 +3,8 @@
 //! The TLS floor answers what the gap between the bare floor and splitproxy is made of: the
 //! same rounds, with every update and ack sealed and opened by rustls (the brain's TLS library
 //! and crypto provider, TLS 1.3, a P-256 certificate), in the same epoll loops. What is left
-//! above it is HTTP/2, gRPC's framing and the async runtime. The handshakes are done before the
+//! above it is the async runtime, HTTP/2 with gRPC's framing ([`super::tasks`] measures both)
+//! and splitproxy's own work. The handshakes are done before the
 //! rounds and not counted; session tickets are off, so no ticket arrives mid-round.
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
