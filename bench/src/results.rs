@@ -269,6 +269,10 @@ pub struct Target {
     /// `None` when there is nothing to judge.
     pub met: Option<bool>,
     pub note: String,
+    /// Why the target lies under this machine's floor, by what the same run measured beneath
+    /// splitproxy (src/report/floors.rs); `None` when the run does not show that.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub under_floor: Option<String>,
 }
 
 /// K single-endpoint changes, each alone (every node converged and kube-proxy synced before the

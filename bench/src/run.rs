@@ -331,10 +331,11 @@ fn write_outputs(
             t.measured,
             t.target,
             t.kube_proxy,
-            match t.met {
-                Some(true) => " met",
-                Some(false) => " MISSED",
-                None => "",
+            match (t.met, &t.under_floor) {
+                (Some(true), _) => " met",
+                (Some(false), Some(_)) => " MISSED, under this machine's floor",
+                (Some(false), None) => " MISSED",
+                (None, _) => "",
             }
         );
     }
