@@ -11,7 +11,7 @@
 //! When every known brain has failed in a row, the brains are listed again (discovery.rs), and
 //! the order is recomputed over the new set, which moves only the nodes whose brains changed.
 //! A node on another replica than its preferred one goes back to it once that one serves again
-//! ([`REBALANCE_MIN`]), so a failover or a rolling restart does not leave every node on one
+//! (`REBALANCE_MIN`), so a failover or a rolling restart does not leave every node on one
 //! replica. Moving costs little: the brain resumes a node by the content it holds
 //! (docs/protocol.md, "Resumption").
 //!

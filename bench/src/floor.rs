@@ -9,8 +9,8 @@
 //! update pays at least this on this machine, whatever its user space does. On loopback the
 //! sender's `write` also runs the receiver's TCP processing, as it does for the brain and the
 //! virtual fleet, so the comparison is like for like. Measured again with TLS on every stream
-//! ([`link`]), then on tokio without and with HTTP/2, by `h2` and by hyper's server
-//! ([`tasks`]), it says which part of the gap to splitproxy each layer takes, and what is left
+//! (`link`), then on tokio without and with HTTP/2, by `h2` and by hyper's server
+//! (`tasks`), it says which part of the gap to splitproxy each layer takes, and what is left
 //! for splitproxy's own work.
 //!
 //! The brain's CPU per node-update and a single change's fan-out to every node are reported

@@ -8,7 +8,7 @@
 //! "Resumption"). What both replicas share is the order of each watch stream. So every
 //! publication names, per watched resource, the resourceVersion of the last event it folded in;
 //! the node keeps that with what it applied and presents it in its Hello, and the replica it
-//! reaches finds two of its own publications around it ([`crate::history::History::window`])
+//! reaches finds two of its own publications around it ([`crate::history::History::window_start`])
 //! and restates what changed between them ([`crate::restate`]).
 //!
 //! resourceVersions are opaque to clients by the API's contract; an etcd-backed API server

@@ -3,7 +3,7 @@
 //! A caller is an [`Identity`]: the names and groups its credential vouches for. A client
 //! certificate gives its common name and DNS SANs as names and its Organizations as groups, as
 //! Kubernetes reads them; a ServiceAccount token is mapped to the same shape by
-//! [`crate::tokens`] (the node ServiceAccount's token bound to a pod on node N: names = [N],
+//! [`crate::tokens`] (the node ServiceAccount's token bound to a pod on node N: names = \[N\],
 //! groups = [node group]; a token whose user may `get` `splitproxy.io/introspection`: groups =
 //! [operator group]). [`roles`] is the one place that turns an identity into what it may do,
 //! and the RPCs ask the resulting [`Roles`]:

@@ -17,7 +17,7 @@
 //! - rotating the serving key, or changing the client CA (dropping a CA that must no longer be
 //!   trusted), invalidates every ticket: the next connection is a full handshake, verified
 //!   against the trust of the moment;
-//! - keys roll every [`PERIOD`]: a ticket opens in the period it was issued in and the next one
+//! - keys roll every [`PERIOD_SECS`] seconds: a ticket opens in the period it was issued in and the next one
 //!   (at most two periods old), and is refused after.
 //!
 //! What a resumed session carries is the client's certificate chain as verified at the full

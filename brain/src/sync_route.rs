@@ -8,10 +8,10 @@
 //!
 //! [`SyncRoute`] takes `/splitproxy.v1.Dataplane/Sync` before the generated server does and
 //! answers it with [`FrameBody`]: the gRPC length prefixes, the frames' own fields and pieces
-//! under [`CHUNK`] copied into buffers of up to that size made for the update, and each piece
+//! under `CHUNK` bytes copied into buffers of up to that size made for the update, and each piece
 //! of that size or more as the very `Bytes` every other node is sent. The bytes on the wire
 //! are the same as tonic's (a unit test compares them). Authorisation, the Hello and the
-//! session are the same code as the generated path ([`DataplaneService::open_sync`]); every
+//! session are the same code as the generated path (`DataplaneService::open_sync`); every
 //! other method goes to the generated server.
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -213,7 +213,7 @@ where
 }
 
 /// Appends `frames` to `chunks` as gRPC messages: prefixes, the frames' own fields and pieces
-/// shorter than [`CHUNK`] copied into buffers of about that size, made for this update and
+/// shorter than `CHUNK` copied into buffers of about that size, made for this update and
 /// freed once written; longer pieces as they are.
 pub fn encode(
     frames: &[UpdateFrame],

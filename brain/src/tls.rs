@@ -249,7 +249,7 @@ fn stamp(files: &[&Path]) -> Stamp {
 }
 
 /// The server's TLS configuration, rebuilt from the files when they change. Each handshake asks
-/// for [`ReloadingTls::current`]; at most every [`RELOAD_CHECK`] that costs a `stat` per file. A
+/// for [`ReloadingTls::current`]; at most every `RELOAD_CHECK` that costs a `stat` per file. A
 /// file caught mid-rewrite, or a new set that does not load, keeps the previous configuration
 /// (and is tried again at the next check). A managed certificate needs no rebuild: the
 /// configuration resolves it at each handshake.

@@ -4,12 +4,12 @@
 //!
 //! A caller without a client certificate sends gRPC metadata `authorization: Bearer <token>`.
 //! The brain does not verify the token itself: it asks the API server (TokenReview, audiences =
-//! [`--token-audience`]), which knows the signing keys, the token's audience, and whether the
+//! `--token-audience`), which knows the signing keys, the token's audience, and whether the
 //! pod it is bound to still exists. Then:
 //!
 //! - a token of the node ServiceAccount (`--node-service-account`) whose review carries the
 //!   node-name claim ([`NODE_NAME_CLAIM`], set when the token is bound to a pod scheduled on a
-//!   node) stands for that node only: names = [node], groups = [node group]. Without the claim
+//!   node) stands for that node only: names = \[node\], groups = \[node group\]. Without the claim
 //!   it is refused ([`Refusal::NoNodeClaim`]): it names no node;
 //! - any other authenticated user is an operator iff a SubjectAccessReview allows it `get` on
 //!   `splitproxy.io/introspection` (groups = [operator group]); otherwise it has no role;

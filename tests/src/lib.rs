@@ -12,7 +12,7 @@
 //!   pods, external clients),
 //! - [`podserver`] runs the "who answered, on which endpoint, and whom did it see" server
 //!   inside a pod,
-//! - [`probe`] sends one TCP or UDP request (or an HTTP GET) from a namespace and classifies the
+//! - [`probe()`] sends one TCP or UDP request (or an HTTP GET) from a namespace and classifies the
 //!   outcome,
 //! - [`lab`] runs a whole installation (API server, brains, actuators, Node objects, pods for
 //!   EndpointSlices) and probes from pods, nodes, external clients or addresses,

@@ -10,7 +10,7 @@
 //! <name> <local_ip>:<local_port> <peer_ip>:<peer_port>\n
 //! ```
 //!
-//! (IPv6 addresses in brackets, `[fd00:244::11]:8080`), which [`crate::probe`] parses. IPv4 and
+//! (IPv6 addresses in brackets, `[fd00:244::11]:8080`), which [`crate::probe()`] parses. IPv4 and
 //! IPv6 are served by separate sockets on the same port (the IPv6 one `IPV6_V6ONLY`), so every
 //! address is reported in its own family. UDP sockets read the destination of each datagram
 //! (`IP_PKTINFO` / `IPV6_PKTINFO`) and answer from exactly that address, as a DNATed reply must.

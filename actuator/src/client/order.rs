@@ -49,7 +49,7 @@ fn rendezvous_weight(node: &str, address: &str) -> u64 {
 
 /// When to try again after a stream ended: full jitter on an exponential backoff after
 /// failures (a random time between zero and the backoff, so retries of many nodes do not
-/// synchronise), and after a healthy stream a random time up to [`RECONNECT_SPREAD`] with the
+/// synchronise), and after a healthy stream a random time up to `RECONNECT_SPREAD` with the
 /// backoff reset.
 #[derive(Debug, Clone)]
 pub struct Pacing {

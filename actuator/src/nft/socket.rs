@@ -80,7 +80,7 @@ impl NftSocket {
 
     /// Sends `batch` as one transaction and waits for every acknowledgement. On error the
     /// kernel has rolled the whole transaction back (see [`CommitError::rolled_back`]). The
-    /// batch's messages are numbered in place for this socket (see [`seq_of`]).
+    /// batch's messages are numbered in place for this socket (see `seq_of`).
     pub fn commit(&mut self, batch: &mut Batch) -> Result<(), CommitError> {
         if let Some(e) = batch.error() {
             return Err(CommitError::Encode(e.clone()));

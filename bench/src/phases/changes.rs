@@ -131,7 +131,7 @@ impl Churner {
         Ok(times)
     }
 
-    /// Writes burst `burst` of tick `tick`'s slice updates (bounded by [`WRITE_TIMEOUT`]);
+    /// Writes burst `burst` of tick `tick`'s slice updates (bounded by `WRITE_TIMEOUT`);
     /// returns their trigger times.
     pub async fn burst(
         &mut self,

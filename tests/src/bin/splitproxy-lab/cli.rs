@@ -119,7 +119,7 @@ pub struct UpArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ProbeArgs {
-    /// Destination ip:port ([v6]:port for IPv6).
+    /// Destination ip:port (`[v6]:port` for IPv6).
     pub dst: std::net::SocketAddr,
     /// Where the connection starts: a pod, node or external client name, or an address of one
     /// (which the probe then binds as its source).
@@ -144,7 +144,7 @@ pub struct ProbeArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpArgs {
-    /// http://IP:PORT/path ([v6] in brackets).
+    /// `http://IP:PORT/path` (an IPv6 address in brackets).
     pub url: String,
     /// Where the request starts: a pod, node or external client name, or an address of one.
     #[arg(long)]
