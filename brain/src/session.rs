@@ -213,7 +213,9 @@ async fn session(
     };
     let window_wait = tokio::time::Instant::now() + WINDOW_WAIT;
     let mut ack_deadline = AckDeadline::new(ACK_TIMEOUT);
-    tracing::info!(
+    // Debug only: `resume_point` has logged how the node resumes ("resuming node"), and at
+    // thousands of nodes a third line per connection is noise.
+    tracing::debug!(
         node,
         resume = base.is_some(),
         window = window.is_some(),
