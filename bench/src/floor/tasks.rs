@@ -24,7 +24,7 @@
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -71,7 +71,10 @@ struct Progress {
     ready: AtomicUsize,
     /// Messages taken whole: acks on the sending side, updates on the nodes' side.
     done: AtomicUsize,
-    /// Woken when `ready` reaches every stream and when `done` completes a round.
+    /// A stream failed where no task ends with it: under hyper a failed response body resets
+    /// its stream and the connection's task goes on.
+    failed: AtomicBool,
+    /// Woken when `ready` reaches every stream, when `done` completes a round and on a failure.
     wake: Notify,
 }
 
@@ -88,14 +91,23 @@ impl Progress {
         }
     }
 
+    /// A stream failed: the rounds stop at once rather than at the time limit.
+    fn fail(&self) {
+        self.failed.store(true, Ordering::Relaxed);
+        self.wake.notify_one();
+    }
+
     /// Waits until `reached` holds, failing as soon as any task ends (no task ends while the
-    /// rounds run, unless its stream failed).
+    /// rounds run, unless its stream failed) or a stream says it failed.
     async fn until(
         &self,
         tasks: &mut JoinSet<anyhow::Result<()>>,
         reached: impl Fn(&Progress) -> bool,
     ) -> anyhow::Result<()> {
         while !reached(self) {
+            if self.failed.load(Ordering::Relaxed) {
+                bail!("a stream failed before the rounds ended");
+            }
             tokio::select! {
                 _ = self.wake.notified() => {}
                 Some(ended) = tasks.join_next() => {
@@ -134,7 +146,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn tls_server(wire: &Wire) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
+/// The sending side's TLS acceptor, from the server configuration in `wire`.
+fn acceptor(wire: &Wire) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
     match wire {
         Wire::TlsServer(cfg) => Ok(cfg.clone().into()),
         _ => bail!("the floor on tokio runs over TLS only"),
@@ -151,7 +164,7 @@ pub(super) fn sending_side(
     (nodes, update_bytes, ack_bytes, rounds): Sizes,
     started: Instant,
 ) -> anyhow::Result<(f64, Duration, Duration)> {
-    let acceptor = tls_server(wire)?;
+    let acceptor = acceptor(wire)?;
     let listener = listener.try_clone()?;
     let left = LIMIT.saturating_sub(started.elapsed());
     runtime()?.block_on(async move {
@@ -343,8 +356,16 @@ impl http_body::Body for RoundBody {
                         }
                     }
                 }
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Ready(Some(Err(e))) => {
+                    this.progress.fail();
+                    return Poll::Ready(Some(Err(e)));
+                }
+                // The node ends its call only after the sending side has closed the streams,
+                // once the rounds are over; sooner, the rounds cannot complete.
+                Poll::Ready(None) => {
+                    this.progress.fail();
+                    return Poll::Ready(None);
+                }
                 Poll::Pending => break,
             }
         }
@@ -482,5 +503,43 @@ impl NodeStream {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream that fails where its task goes on (a hyper stream's body) stops the wait at
+    /// once, not at the measurement's time limit.
+    #[tokio::test]
+    async fn a_failed_stream_ends_the_wait_for_a_round() {
+        let progress = Arc::new(Progress::default());
+        let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
+        // A task that outlives the wait, as a hyper connection's does after its stream reset.
+        tasks.spawn(async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(())
+        });
+        let failing = progress.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            failing.fail();
+        });
+        let waited = tokio::time::timeout(
+            Duration::from_secs(10),
+            progress.until(&mut tasks, |p| p.done.load(Ordering::Relaxed) == 1),
+        )
+        .await
+        .expect("the wait ends with the failure, long before any limit");
+        assert!(waited.is_err(), "the wait failed with the stream");
+        progress.add_done(1);
+        assert!(
+            progress
+                .until(&mut tasks, |p| p.done.load(Ordering::Relaxed) == 1)
+                .await
+                .is_ok(),
+            "a wait already reached is not failed"
+        );
     }
 }
