@@ -1541,22 +1541,24 @@ fn by_kind(m: &std::collections::BTreeMap<String, f64>) -> String {
         .join(", ")
 }
 
+/// A histogram's summary that knows only its count and mean, for tests.
+#[cfg(test)]
+fn summary(count: f64, mean: f64) -> HistSummary {
+    HistSummary {
+        count,
+        sum: count * mean,
+        mean: Some(mean),
+        p50: None,
+        p99: None,
+        max_bucket: None,
+        above_last_bucket: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::results::SingleChanges;
-
-    fn summary(count: f64, mean: f64) -> HistSummary {
-        HistSummary {
-            count,
-            sum: count * mean,
-            mean: Some(mean),
-            p50: None,
-            p99: None,
-            max_bucket: None,
-            above_last_bucket: false,
-        }
-    }
 
     #[test]
     fn the_time_before_the_brain_is_the_difference_of_the_means_over_the_same_changes() {

@@ -86,7 +86,7 @@ pub(super) fn cpu_per_update(r: &BenchResult, target: f64) -> Option<String> {
 mod tests {
     use super::*;
     use crate::floor::Stack;
-    use crate::measure::prom::HistSummary;
+    use crate::report::summary;
     use crate::results::Phase;
 
     fn floor(stack: Stack, round: f64, per_update: f64) -> Floor {
@@ -101,18 +101,6 @@ mod tests {
             node_cpu_per_update: per_update,
             round_mean_seconds: round,
             round_max_seconds: round * 1.5,
-        }
-    }
-
-    fn mean(count: f64, mean: f64) -> HistSummary {
-        HistSummary {
-            count,
-            sum: count * mean,
-            mean: Some(mean),
-            p50: None,
-            p99: None,
-            max_bucket: None,
-            above_last_bucket: false,
         }
     }
 
@@ -151,8 +139,8 @@ mod tests {
                 name: "churn".into(),
                 ..Phase::default()
             };
-            p.splitproxy.publish_latency = Some(mean(6000.0, publish));
-            p.splitproxy.change_queue = Some(mean(6000.0, queue));
+            p.splitproxy.publish_latency = Some(summary(6000.0, publish));
+            p.splitproxy.change_queue = Some(summary(6000.0, queue));
             p
         };
         let mut r = BenchResult {
