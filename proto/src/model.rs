@@ -27,6 +27,38 @@ use crate::v1::{
 pub type TableKey = (Family, String);
 
 /// The key of a table message (an upsert or a removal).
+/// `set` without its elements. A snapshot part's sets carry a thousand elements each, so
+/// cloning the set and then dropping them cost a node's first apply a copy of every element;
+/// every field is named (no `..`), so a field added to `Set` must be added here.
+fn definition(set: &Set) -> Set {
+    let Set {
+        name,
+        key,
+        data,
+        interval,
+        timeout,
+        default_timeout_ms,
+        dynamic,
+        comment,
+        elements: _,
+        conntrack,
+        guards,
+    } = set;
+    Set {
+        name: name.clone(),
+        key: key.clone(),
+        data: data.clone(),
+        interval: *interval,
+        timeout: *timeout,
+        default_timeout_ms: *default_timeout_ms,
+        dynamic: *dynamic,
+        comment: comment.clone(),
+        elements: Vec::new(),
+        conntrack: *conntrack,
+        guards: guards.clone(),
+    }
+}
+
 fn key_of(family: Family, name: &str) -> TableKey {
     (family, name.to_owned())
 }
@@ -157,10 +189,7 @@ fn element_hash(key: &TableKey, set: &str, encoded: &[u8]) -> u128 {
 impl Model {
     pub fn from_ruleset(ruleset: &Ruleset) -> Self {
         let mut model = Model::default();
-        model.apply(&RulesetDelta {
-            upsert: ruleset.tables.clone(),
-            remove: Vec::new(),
-        });
+        model.upsert(&ruleset.tables);
         model
     }
 
@@ -289,10 +318,7 @@ impl Model {
 
     /// Creates the set if missing. A set whose definition differs is replaced (and emptied).
     pub fn upsert_set(&mut self, key: &TableKey, def: &Set) {
-        let def = Set {
-            elements: Vec::new(),
-            ..def.clone()
-        };
+        let def = definition(def);
         let same = self.set(key, &def.name).is_some_and(|s| *s.def == def);
         if same {
             return;
@@ -387,7 +413,12 @@ impl Model {
                 }
             }
         }
-        for up in &delta.upsert {
+        self.upsert(&delta.upsert);
+    }
+
+    /// A delta's upserts: tables, chains and sets created or replaced, elements added.
+    fn upsert(&mut self, tables: &[Table]) {
+        for up in tables {
             let key = key_of(up.family(), &up.name);
             self.upsert_table(&key, &up.comment);
             for c in &up.chains {
@@ -611,6 +642,20 @@ mod tests {
             .map(|b| format!("{b:02x}"))
             .collect();
         assert_eq!(hex, "6ca64dff41c399f7651763e990ca7f37");
+    }
+
+    #[test]
+    fn a_set_keeps_its_definition_apart_from_its_elements() {
+        let rs = ruleset(vec![u32_elem(1, 10), u32_elem(2, 20)], &["c"]);
+        let model = Model::from_ruleset(&rs);
+        let key = (Family::Ip, "t".to_string());
+        let sm = model.set(&key, "m").expect("the set");
+        // The definition holds every field but the elements, which the model keys itself.
+        let mut def = rs.tables[0].sets[0].clone();
+        def.elements.clear();
+        assert_eq!(*sm.def, def);
+        assert_eq!(sm.len(), 2);
+        assert_eq!(model.to_ruleset().tables[0].sets, rs.tables[0].sets);
     }
 
     #[test]
