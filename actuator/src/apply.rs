@@ -378,10 +378,10 @@ impl<K: Kernel> Applier<K> {
     /// Rules go before the elements of the sets they use. When a rule binds a map (a lookup
     /// with a destination register, as every DNAT rule does), the kernel checks each element
     /// the map holds by then (`nf_tables_bind_set` walks the set); elements added after the
-    /// binding are checked one by one as they arrive instead. With
-    /// the elements first, that walk over the endpoint maps was half of a first commit's kernel
-    /// time at 10,000 Services (295-380 ms, against 153-160 ms with the rules first, in
-    /// `splitproxy-bench scale`; docs/ruleset.md, "What the kernel charges").
+    /// binding are checked one by one as they arrive instead. With the elements first, that walk
+    /// over the endpoint maps was half of a first commit's kernel time at 10,000 Services
+    /// (295-380 ms, against 153-160 ms with the rules first, in `splitproxy-bench scale`;
+    /// docs/ruleset.md, "What the kernel charges").
     fn encode_model(&self, b: &mut Batch, model: &Model) -> Result<(), ApplyError> {
         const CHUNK: usize = 2048;
         for ((family, name), tm) in model.tables.iter() {

@@ -26,7 +26,6 @@ use crate::v1::{
 /// so the actuator refuses such a table rather than applying it.
 pub type TableKey = (Family, String);
 
-/// The key of a table message (an upsert or a removal).
 /// `set` without its elements. A snapshot part's sets carry a thousand elements each, so
 /// cloning the set and then dropping them cost a node's first apply a copy of every element;
 /// every field is named (no `..`), so a field added to `Set` must be added here.
@@ -59,6 +58,7 @@ fn definition(set: &Set) -> Set {
     }
 }
 
+/// The key of a table message (an upsert or a removal).
 fn key_of(family: Family, name: &str) -> TableKey {
     (family, name.to_owned())
 }
