@@ -5,9 +5,9 @@
 //! runtime's threads and applies them on blocking threads, so under churn every new version
 //! of its model left freed pages behind in several arenas: its RSS grew from 36.7 to 44.4 MiB
 //! over 60 churn seconds at 10,000 Services, past its size after the cold start, and with one
-//! arena it stayed at 36.5 (`MALLOC_ARENA_MAX=1`, the quick run of `tools/bench.sh`, README
-//! "Scale"). The actuator allocates little and rarely at the same time on two threads, so one
-//! arena costs it nothing measurable. An operator's `MALLOC_ARENA_MAX` is left to win.
+//! arena it stayed at 36.5 (`MALLOC_ARENA_MAX=1`, the quick run of `tools/bench.sh`,
+//! docs/performance.md). The actuator allocates little and rarely at the same time on two
+//! threads, so one arena costs it nothing measurable. An operator's `MALLOC_ARENA_MAX` is left to win.
 #![allow(unsafe_code)]
 
 /// The arenas the actuator keeps when `MALLOC_ARENA_MAX` does not say otherwise.

@@ -68,7 +68,7 @@ pub struct BenchArgs {
     /// Threads each brain replica serves its nodes' connections on (its `--worker-threads`;
     /// 0, the default: one per CPU, as a brain runs unless told). With 1 on this 2-core machine
     /// the churn phase sent a fifth fewer updates for less CPU, but with kube-proxy syncing
-    /// beside it a single change took longer (README, "Scale").
+    /// beside it a single change took longer (docs/performance.md).
     #[arg(long, default_value_t = 0)]
     pub brain_worker_threads: usize,
     /// Single-endpoint changes in the endpoint_flip phase, each made alone (every node

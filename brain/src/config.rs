@@ -177,14 +177,14 @@ pub struct Args {
     /// default): one per CPU this process may use. The watches and the index have a thread of
     /// their own besides. Set it to the CPUs the brain should take when it shares its machine:
     /// fewer threads cost less CPU under churn but get a smaller share of contended cores
-    /// (README, "Scale").
+    /// (docs/performance.md, "How many threads serve the nodes").
     #[arg(long, default_value_t = 0)]
     pub worker_threads: usize,
     /// After --min-publish-interval-ms, a publication also waits (up to 1 s after the last one)
     /// until no more than this share (0 to 1) of the nodes has yet to ack the last one, so that
     /// an overloaded fan-out is not handed the next publication before it reached most nodes
-    /// (README, "Scale": at 10,000 nodes churn's p99 fell from 4.5-6.7 s to 1.5-1.7 s). A change
-    /// after a quiet period is not held. 1: no wait.
+    /// (docs/performance.md: at 10,000 nodes churn's p99 fell from 4.5-6.7 s to 1.5-1.7 s). A
+    /// change after a quiet period is not held. 1: no wait.
     #[arg(long, default_value_t = crate::pacing::DEFAULT_WHEN_UNSETTLED, value_parser = crate::pacing::parse_share)]
     pub publish_when_unsettled: f64,
     /// Certificate Organization (group) whose members are nodes: they may open `Sync` for the

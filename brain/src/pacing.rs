@@ -15,9 +15,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// `--publish-when-unsettled`'s default: a publication waits until nine nodes in ten acked the
-/// last one. Alternating benchmark runs at 5,000 and 10,000 nodes (README, "Scale") put it ahead of
-/// no wait in all but one pair, and far ahead where one replica serves more nodes than its CPU
-/// keeps up with; 0.5 held too little to help.
+/// last one. Alternating benchmark runs at 5,000 and 10,000 nodes (docs/performance.md,
+/// "Publications that wait for the last fan-out") put it ahead of no wait in all but one pair,
+/// and far ahead where one replica serves more nodes than its CPU keeps up with; 0.5 held too
+/// little to help.
 pub const DEFAULT_WHEN_UNSETTLED: f64 = 0.1;
 /// The longest a publication waits for the last one's fan-out.
 const UNSETTLED_WAIT_MAX: Duration = Duration::from_secs(1);
