@@ -7,7 +7,8 @@
 //! over 60 churn seconds at 10,000 Services, past its size after the cold start, and with one
 //! arena it stayed at 36.5 (`MALLOC_ARENA_MAX=1`, the quick run of `tools/bench.sh`,
 //! docs/performance.md). The actuator allocates little and rarely at the same time on two
-//! threads, so one arena costs it nothing measurable. An operator's `MALLOC_ARENA_MAX` is left to win.
+//! threads, so one arena costs it nothing measurable. An operator's `MALLOC_ARENA_MAX` is left
+//! to win.
 #![allow(unsafe_code)]
 
 /// The arenas the actuator keeps when `MALLOC_ARENA_MAX` does not say otherwise.

@@ -1,9 +1,14 @@
 //! Published desired state and per-node streams.
 //!
 //! The index task publishes a new [`Publication`] (the shared model every node holds plus each
-//! node's overlay, all persistent) through a `watch` channel; a node's session waits for its previous update to be acked, then sends
-//! whatever changed since, so a slow node is never queued more than one update and always gets
-//! the coalesced latest state ("bounded under slow nodes", docs/invariants.md).
+//! node's overlay, all persistent) through a `watch` channel; a node's session waits for its
+//! previous update to be acked, then sends whatever changed since, so a slow node is never
+//! queued more than one update and always gets the coalesced latest state ("bounded under slow
+//! nodes", docs/invariants.md).
+//!
+//! The submodules hold what happens per node: its next update (`updates`), where it resumes
+//! when it connects (`resume`, `restating`), its acks (`acks`), its session and lag
+//! (`connections`), and the change log its updates carry (`changes`).
 //!
 //! Every distinct update body (a delta between two published versions of the shared model, or
 //! a snapshot of one) is computed and encoded once and shared, as bytes, by every node that
@@ -482,26 +487,6 @@ impl Fanout {
         self.history.record(publication.clone());
         self.publication_tx.send_replace(publication);
         Some(version)
-    }
-
-    /// The sampled trace contexts of the publications after `after` up to `upto`, newest
-    /// first: what an update between those versions folds in. One atomic load when none of
-    /// them is traced (tracing off, or nothing sampled lately).
-    pub fn traces_between(&self, after: u64, upto: u64) -> Vec<opentelemetry::trace::SpanContext> {
-        if self.newest_traced.load(Ordering::Relaxed) <= after {
-            return Vec::new();
-        }
-        let mut traces = Vec::new();
-        if let Ok(log) = self.changes.lock()
-            && let Some(first) = log.front().map(|c| c.version)
-        {
-            let start = (after + 1).saturating_sub(first) as usize;
-            let end = (upto + 1).saturating_sub(first) as usize;
-            for c in log.range(start.min(log.len())..end.min(log.len())).rev() {
-                traces.extend(c.trace.clone());
-            }
-        }
-        traces
     }
 
     /// Marks the brain ready to serve (every initial list done and the state it gives published)

@@ -112,14 +112,6 @@ impl Fanout {
         }
     }
 
-    /// When the publication of `version` was made, if the change log still holds it.
-    pub(super) fn published_at(&self, version: u64) -> Option<Instant> {
-        let log = self.changes.lock().ok()?;
-        let first = log.front()?.version;
-        let i = usize::try_from(version.checked_sub(first)?).ok()?;
-        log.get(i).map(|c| c.published)
-    }
-
     /// How long a node has been behind the latest publication: zero when it holds it or is not
     /// connected, otherwise the time since the oldest publication it lacks (or since the brain
     /// lost track of what it holds), but never more than it has been connected.
@@ -136,10 +128,6 @@ impl Fanout {
             None => st.behind_since,
         };
         now.saturating_duration_since(since.unwrap_or(connected_at).max(connected_at))
-    }
-
-    pub(super) fn oldest_publication(&self) -> Option<Instant> {
-        self.changes.lock().ok()?.front().map(|c| c.published)
     }
 
     /// The longest lag among connected nodes, and how many lag more than [`LAG_THRESHOLD`]:
