@@ -14,8 +14,8 @@
 //! for splitproxy's own work.
 //!
 //! The brain's CPU per node-update and a single change's fan-out to every node are reported
-//! against it (`report.rs`), as kube-proxy's figures are: a ratio to a peer measured in the
-//! same run, not to a number from another day.
+//! against it (`report/targets.rs`, `report/sections.rs`), as kube-proxy's figures are: a ratio
+//! to a peer measured in the same run, not to a number from another day.
 use std::io::ErrorKind;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};

@@ -9,7 +9,8 @@
 use crate::floor::Floor;
 use crate::results::BenchResult;
 
-use super::{before_brain_mean, ms, phase};
+use super::format::ms;
+use super::{before_brain_mean, phase};
 
 /// The floor of gRPC's transport in `r` (TLS, tokio and HTTP/2), the cheaper of the two ways it
 /// was measured: `h2` driven by one task, and hyper's server as the brain's streams are.
@@ -86,7 +87,7 @@ pub(super) fn cpu_per_update(r: &BenchResult, target: f64) -> Option<String> {
 mod tests {
     use super::*;
     use crate::floor::Stack;
-    use crate::report::summary;
+    use crate::report::format::summary;
     use crate::results::Phase;
 
     fn floor(stack: Stack, round: f64, per_update: f64) -> Floor {
