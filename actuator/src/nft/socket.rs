@@ -167,26 +167,7 @@ impl NftSocket {
         attrs: &NlaBuf,
         mut each: impl FnMut(&[u8]) -> io::Result<()>,
     ) -> io::Result<()> {
-        let seq = self.seq;
-        self.seq = seq.wrapping_add(1);
-        self.out.clear();
-        self.out.extend_from_slice(&nfnl_header(
-            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(get),
-            NLM_F_REQUEST | NLM_F_DUMP,
-            seq,
-            nfproto,
-            0,
-            HEADER_LEN + attrs.len(),
-        ));
-        self.out.extend_from_slice(attrs.bytes());
-        self.drain_stale();
-        let sent = self.sock.send(&self.out, 0)?;
-        if sent != self.out.len() {
-            return Err(io::Error::other(format!(
-                "short send: {sent} of {} bytes",
-                self.out.len()
-            )));
-        }
+        let seq = self.request(get, NLM_F_DUMP, nfproto, attrs.bytes())?;
         let mut interrupted = false;
         // The kernel fills one datagram per read (at most 32 KiB), until NLMSG_DONE.
         loop {
@@ -230,19 +211,7 @@ impl NftSocket {
     /// One request that is not a dump, answered with one message (`each` sees its
     /// attributes) and an acknowledgement.
     fn get(&mut self, get: u8, mut each: impl FnMut(&[u8])) -> io::Result<()> {
-        let seq = self.seq;
-        self.seq = seq.wrapping_add(1);
-        self.out.clear();
-        self.out.extend_from_slice(&nfnl_header(
-            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(get),
-            NLM_F_REQUEST | NLM_F_ACK,
-            seq,
-            AF_UNSPEC,
-            0,
-            HEADER_LEN,
-        ));
-        self.drain_stale();
-        self.sock.send(&self.out, 0)?;
+        let seq = self.request(get, NLM_F_ACK, AF_UNSPEC, &[])?;
         let mut answered = false;
         loop {
             self.rx.clear();
@@ -265,6 +234,33 @@ impl NftSocket {
                 }
             }
         }
+    }
+
+    /// Sends one nf_tables request (`get` with `flags` besides NLM_F_REQUEST, for `nfproto`,
+    /// carrying `attrs`) under the next sequence number, after dropping whatever an earlier
+    /// request left unread, and returns that number: the answers to look for.
+    fn request(&mut self, get: u8, flags: u16, nfproto: u8, attrs: &[u8]) -> io::Result<u32> {
+        let seq = self.seq;
+        self.seq = seq.wrapping_add(1);
+        self.out.clear();
+        self.out.extend_from_slice(&nfnl_header(
+            (NFNL_SUBSYS_NFTABLES << 8) | u16::from(get),
+            NLM_F_REQUEST | flags,
+            seq,
+            nfproto,
+            0,
+            HEADER_LEN + attrs.len(),
+        ));
+        self.out.extend_from_slice(attrs);
+        self.drain_stale();
+        let sent = self.sock.send(&self.out, 0)?;
+        if sent != self.out.len() {
+            return Err(io::Error::other(format!(
+                "short send: {sent} of {} bytes",
+                self.out.len()
+            )));
+        }
+        Ok(seq)
     }
 
     /// Raises the socket buffers so the datagram fits and every acknowledgement can queue.
